@@ -1,0 +1,31 @@
+# Quick start: `make test` runs the test suite, `make train` trains the built-in tiny model.
+# Both create .venv (Python >= 3.12 from PATH or pyenv) and install the project on first use.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test train
+
+$(PY):
+	@python=$$(for c in python3.13 python3.12 python3; do \
+	    p=$$(command -v $$c) && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && echo $$p && break; \
+	  done); \
+	if [ -z "$$python" ] && command -v pyenv >/dev/null; then \
+	  for v in $$(pyenv versions --bare | grep -E '^3\.(1[2-9])' | sort -rV); do \
+	    python=$$(PYENV_VERSION=$$v pyenv which python3 2>/dev/null) && break; \
+	  done; \
+	fi; \
+	if [ -z "$$python" ]; then echo "make: need Python >= 3.12 on PATH or through pyenv" >&2; exit 1; fi; \
+	echo "creating $(VENV) with $$python"; $$python -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	TORCH_COMPILE_DISABLE=1 $(PY) -m pytest -q
+
+train: $(STAMP)
+	TORCH_COMPILE_DISABLE=1 $(PY) pretrain_hybrid.py --shared-prefix-packing

@@ -1,0 +1,55 @@
+"""Core attention that runs tree attention when a forest is in scope.
+
+(upstream: megatron/core/transformer/dot_product_attention.py). Swapped in through the
+``core_attention`` submodule of ``hybrid_stack_spec()``; with no forest in scope it is exactly
+megatron-core's DotProductAttention.
+"""
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron.shared_prefix.attention.torch_backend import tree_attention
+from megatron.shared_prefix.tensors import current_forest
+
+
+class TreeDotProductAttention(DotProductAttention):
+    """DotProductAttention that attends over each token's root path inside a forest.
+
+    The softmax scale is the one DotProductAttention uses (``softmax_scale``, times the layer
+    number when ``apply_query_key_layer_scaling`` divided it out). Queries and keys arrive with RoPE
+    already applied by ``position_ids`` (the model gathers the rotary table by position).
+    """
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        forest = current_forest()
+        if forest is None:
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise ValueError(
+                "tree attention takes its mask from the forest: attention_mask, attention_bias and "
+                "packed_seq_params must be None"
+            )
+        if mask_type != AttnMaskType.causal:
+            raise ValueError(f"tree attention needs a causal layer, got attn_mask_type={mask_type}")
+        scale = self.softmax_scale
+        if self.config.apply_query_key_layer_scaling:
+            scale *= self.layer_number
+        return tree_attention(query, key, value, forest, softmax_scale=scale)

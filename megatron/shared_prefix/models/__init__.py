@@ -1,0 +1,1 @@
+"""Model classes of megatron.shared_prefix (upstream: megatron/core/models/)."""

@@ -1,0 +1,139 @@
+"""Layer specs for shared-prefix hybrid models (upstream: megatron/core/models/hybrid/hybrid_layer_specs.py).
+
+``hybrid_stack_spec()`` covers every layer type a HybridModel pattern can hold that a forest supports
+(``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE). It is built from megatron-core's local
+(non-Transformer-Engine) modules unless the caller asks for Transformer Engine, so it builds and runs
+on a machine without CUDA (after :func:`megatron.shared_prefix.enable_cpu`). The tree-aware pieces are
+swapped in as submodules: the core attention and the Mamba mixer; the rest is stock megatron-core.
+"""
+
+from functools import partial
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+from megatron.shared_prefix.attention.dot_product_attention import TreeDotProductAttention
+from megatron.shared_prefix.models.hybrid.hybrid_block import SharedPrefixHybridStack
+from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
+
+
+def _transformer_engine_modules():
+    try:
+        from megatron.core.extensions.transformer_engine import (
+            HAVE_TE,
+            TELayerNormColumnParallelLinear,
+            TENorm,
+            TERowParallelLinear,
+        )
+    except ImportError:
+        HAVE_TE = False
+    if not HAVE_TE:
+        raise ValueError(
+            "hybrid_stack_spec(use_te=True) needs Transformer Engine, which cannot be imported here; "
+            "use use_te=False for megatron-core's local modules"
+        )
+    return TELayerNormColumnParallelLinear, TERowParallelLinear, TENorm
+
+
+def hybrid_stack_spec(
+    num_experts: Optional[int] = None, *, use_te: bool = False, mamba_chunk_size: int = 128
+) -> ModuleSpec:
+    """ModuleSpec of a HybridStack whose layers run on packed prefix forests.
+
+    Args:
+        num_experts: number of routed experts, as megatron-core's ``get_moe_module_spec`` takes it;
+            required only when the layer pattern has ``E`` layers (the config's ``num_moe_experts``
+            must match).
+        use_te: use Transformer Engine linear layers and norms (fused layer-norm + linear, as
+            megatron-core's own hybrid spec does). Requires Transformer Engine; the core attention and
+            the Mamba scan stay the tree-aware local implementations.
+        mamba_chunk_size: chunk size of the Mamba SSD scan.
+
+    Returns:
+        ModuleSpec of :class:`SharedPrefixHybridStack` for ``HybridModel(hybrid_stack_spec=...)``.
+    """
+    if num_experts is not None and num_experts < 1:
+        raise ValueError(f"hybrid_stack_spec: num_experts must be >= 1 or None, got {num_experts}")
+    if mamba_chunk_size < 1:
+        raise ValueError(f"hybrid_stack_spec: mamba_chunk_size must be >= 1, got {mamba_chunk_size}")
+
+    if use_te:
+        norm_linear, row_linear, final_norm = _transformer_engine_modules()
+        input_norm, column_linear = IdentityOp, norm_linear
+    else:
+        input_norm, column_linear, row_linear = WrappedTorchNorm, ColumnParallelLinear, RowParallelLinear
+        final_norm = WrappedTorchNorm
+
+    mamba_layer = ModuleSpec(
+        module=MambaLayer,
+        submodules=MambaLayerSubmodules(
+            norm=input_norm,
+            mixer=ModuleSpec(
+                module=TreeMambaMixer,
+                params={"chunk_size": mamba_chunk_size},
+                submodules=MambaMixerSubmodules(in_proj=column_linear, out_proj=row_linear),
+            ),
+            mamba_bda=get_bias_dropout_add,
+        ),
+    )
+    attention_layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=input_norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=column_linear,
+                    core_attention=TreeDotProductAttention,
+                    linear_proj=row_linear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+        ),
+    )
+    mlp_layer = ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=input_norm,
+            mlp=partial(
+                MLP.as_mlp_submodule,
+                submodules=MLPSubmodules(linear_fc1=column_linear, linear_fc2=row_linear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    submodules = HybridStackSubmodules(
+        mamba_layer=mamba_layer, attention_layer=attention_layer, mlp_layer=mlp_layer
+    )
+    if num_experts is not None:
+        submodules.moe_layer = ModuleSpec(
+            module=MoETransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=WrappedTorchNorm if not use_te else final_norm,
+                mlp=get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=False),
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
+    return ModuleSpec(
+        module=SharedPrefixHybridStack, params={"final_norm": final_norm}, submodules=submodules
+    )

@@ -1,0 +1,128 @@
+"""Checks that a forest forward can be exact, run before any compute or state change.
+
+Every check raises ValueError naming the setting or argument, so a user sees what to change. The
+rules follow from what a forest shares: a packed token stands for every sequence through it, so
+anything that would treat those sequences differently (dropout masks, sliding windows, token
+dropping) or that reads the packed row as if it were one sequence (labels, packed_seq_params,
+inference caches) cannot be reproduced.
+"""
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+from megatron.shared_prefix.layout import ForestLayout
+
+SUPPORTED_LAYER_SYMBOLS = frozenset({Symbols.MAMBA, Symbols.ATTENTION, Symbols.MLP, Symbols.MOE})
+SUPPORTED_POSITION_EMBEDDINGS = ("rope", "none", "learned_absolute")
+
+
+def _config_errors(config) -> list[str]:
+    errors = []
+    if config.attention_dropout > 0:
+        errors.append(f"attention_dropout={config.attention_dropout} (must be 0: siblings share masks)")
+    if config.hidden_dropout > 0:
+        errors.append(f"hidden_dropout={config.hidden_dropout} (must be 0: siblings share masks)")
+    if config.window_size is not None:
+        errors.append(f"window_size={config.window_size} (sliding-window attention)")
+    for name in ("attn_logit_softcapping", "attention_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            errors.append(f"{name}={getattr(config, name)} (softcapping)")
+    if config.softmax_type != "vanilla":
+        errors.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if config.multi_latent_attention:
+        errors.append("multi_latent_attention=True (MLA layers)")
+    if config.experimental_attention_variant is not None:
+        errors.append(f"experimental_attention_variant={config.experimental_attention_variant!r}")
+    if config.pipeline_model_parallel_size > 1:
+        errors.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} (must be 1)")
+    if config.tensor_model_parallel_size > 1:
+        errors.append(f"tensor_model_parallel_size={config.tensor_model_parallel_size} (must be 1)")
+    if config.context_parallel_size > 1:
+        errors.append(f"context_parallel_size={config.context_parallel_size} (must be 1)")
+    if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
+        errors.append(f"cuda_graph_impl={config.cuda_graph_impl!r} (CUDA graphs)")
+    if config.fp8:
+        errors.append(f"fp8={config.fp8!r}")
+    if config.fp4:
+        errors.append(f"fp4={config.fp4!r}")
+    if config.mtp_num_layers and config.mtp_loss_scaling_factor:
+        errors.append(
+            f"mtp_num_layers={config.mtp_num_layers} with mtp_loss_scaling_factor="
+            f"{config.mtp_loss_scaling_factor} (set mtp_loss_scaling_factor=0 to skip MTP on forests)"
+        )
+    return errors
+
+
+def _layer_errors(model) -> list[str]:
+    errors = []
+    unsupported = sorted(set(model.decoder.layer_type_list) - SUPPORTED_LAYER_SYMBOLS)
+    if unsupported:
+        errors.append(f"hybrid_layer_pattern layers {unsupported} (supported: M, *, -, E)")
+    if model.position_embedding_type not in SUPPORTED_POSITION_EMBEDDINGS:
+        errors.append(f"position_embedding_type={model.position_embedding_type!r}")
+    if not model.pre_process or not model.post_process:
+        errors.append("pre_process/post_process=False (the forest forward runs the whole model)")
+    return errors
+
+
+def _layout_errors(model, layout: ForestLayout) -> list[str]:
+    errors = []
+    if not isinstance(layout, ForestLayout):
+        return [f"shared_prefix_layout must be a ForestLayout, got {type(layout).__name__}"]
+    if layout.num_tokens == 0:
+        errors.append("shared_prefix_layout has no tokens")
+    if layout.num_tokens and int(layout.tokens.max()) >= model.vocab_size:
+        errors.append(f"shared_prefix_layout token id {int(layout.tokens.max())} >= vocab_size {model.vocab_size}")
+    if len(layout.edge_target) and int(layout.edge_target.max()) >= model.vocab_size:
+        errors.append(f"edge target {int(layout.edge_target.max())} >= vocab_size {model.vocab_size}")
+    if model.position_embedding_type == "learned_absolute" and layout.num_tokens:
+        if int(layout.position_ids.max()) >= model.max_sequence_length:
+            errors.append(
+                f"position {int(layout.position_ids.max())} >= max_sequence_length {model.max_sequence_length}"
+            )
+    return errors
+
+
+def _matches(tensor: Optional[torch.Tensor], expected: np.ndarray) -> bool:
+    if tensor is None:
+        return True
+    if tuple(tensor.shape) != (1, len(expected)):
+        return False
+    return bool(np.array_equal(tensor.detach().reshape(-1).cpu().numpy(), expected))
+
+
+def validate_forest_forward(model, layout: ForestLayout, **forward_args: Any) -> None:
+    """Raise ValueError listing every reason ``model(..., shared_prefix_layout=layout)`` can't be exact.
+
+    Args:
+        model: the SharedPrefixHybridModel.
+        layout: the row to run.
+        forward_args: the other arguments of the forward call, by name (input_ids, position_ids,
+            attention_mask, decoder_input, labels, inference_context, inference_params, loss_mask,
+            packed_seq_params, padding_mask).
+    """
+    errors = _config_errors(model.config) + _layer_errors(model)
+    for name in (
+        "attention_mask",
+        "decoder_input",
+        "labels",
+        "loss_mask",
+        "packed_seq_params",
+        "padding_mask",
+        "inference_context",
+        "inference_params",
+    ):
+        if forward_args.get(name) is not None:
+            errors.append(f"{name} given together with shared_prefix_layout (the layout defines it)")
+    errors += _layout_errors(model, layout)
+    if isinstance(layout, ForestLayout):
+        if not _matches(forward_args.get("input_ids"), layout.tokens):
+            errors.append("input_ids do not match shared_prefix_layout.tokens (expected [1, T])")
+        if not _matches(forward_args.get("position_ids"), layout.position_ids):
+            errors.append("position_ids do not match shared_prefix_layout.position_ids (expected [1, T])")
+    if errors:
+        raise ValueError("SharedPrefixHybridModel cannot run this forest forward: " + "; ".join(errors))

@@ -1,0 +1,172 @@
+"""Device metadata of one packed forest row, built once per forward and read by tree-aware modules.
+
+:class:`ForestTensors` holds everything the stack needs about a :class:`ForestLayout` on the model's
+device. It is immutable; derived tables that only some backends need are computed on first use and
+cached on the object, so nothing is rebuilt per layer.
+
+The forest is published to the tree-aware submodules (core attention, Mamba mixer, MoE router)
+through :func:`forest_scope`, a ``contextvars`` scope: megatron-core's layer call signatures stay
+unchanged, and a module sees a forest only inside the forward (and backward, see
+``megatron.shared_prefix.tensor_parallel.random``) of the model that published it.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from megatron.shared_prefix.layout import ForestLayout
+
+_ACTIVE_FOREST: contextvars.ContextVar[Optional["ForestTensors"]] = contextvars.ContextVar(
+    "shared_prefix_forest", default=None
+)
+
+
+def current_forest() -> Optional["ForestTensors"]:
+    """The forest of the shared-prefix forward in progress, or None (dense behaviour)."""
+    return _ACTIVE_FOREST.get()
+
+
+@contextlib.contextmanager
+def forest_scope(forest: Optional["ForestTensors"]) -> Iterator[Optional["ForestTensors"]]:
+    """Publish ``forest`` to tree-aware modules for the duration of the block (None: dense)."""
+    token = _ACTIVE_FOREST.set(forest)
+    try:
+        yield forest
+    finally:
+        _ACTIVE_FOREST.reset(token)
+
+
+def _subtree_token_end(layout: ForestLayout) -> np.ndarray:
+    """[S] exclusive end token index of each segment's subtree (DFS order makes it contiguous)."""
+    starts, lengths, parents = layout.segment_starts, layout.segment_lengths, layout.segment_parents
+    end = starts + lengths
+    # Children come after their parent in DFS order, so a reverse sweep sees every descendant first.
+    for segment in range(len(parents) - 1, -1, -1):
+        parent = parents[segment]
+        if parent >= 0 and end[segment] > end[parent]:
+            end[parent] = end[segment]
+    return end
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ForestTensors:
+    """One forest row on a device.
+
+    Attributes:
+        layout: the host-side layout this was built from.
+        input_ids: [1, T] packed token ids.
+        position_ids: [1, T] position of each token in its original sequence(s).
+        token_segment: [T] segment index of each token.
+        token_subtree_end: [T] exclusive end of the subtree of the token's segment. Token ``q`` may
+            attend token ``k`` iff ``k <= q < token_subtree_end[k]`` (the tree mask).
+        segment_starts, segment_lengths, segment_parents: [S] the layout's segments.
+        token_multiplicity: [T] number of original sequences through each token (0 for padding).
+        edge_unique_source: [U] distinct loss-edge source tokens, ascending.
+        edge_source_slot: [E] index into ``edge_unique_source`` of each edge's source.
+        edge_target: [E] target token id of each edge.
+
+    Tables that only some backends need are built on first request and kept in ``_derived`` (per
+    object, so they are freed with the forest).
+    """
+
+    layout: ForestLayout
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    token_segment: torch.Tensor
+    token_subtree_end: torch.Tensor
+    segment_starts: torch.Tensor
+    segment_lengths: torch.Tensor
+    segment_parents: torch.Tensor
+    token_multiplicity: torch.Tensor
+    edge_unique_source: torch.Tensor
+    edge_source_slot: torch.Tensor
+    edge_target: torch.Tensor
+    _derived: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_layout(cls, layout: ForestLayout, device: torch.device | str) -> "ForestTensors":
+        """Copy the layout and its derived tables to ``device`` (one host-to-device copy each)."""
+        unique_source, source_slot = np.unique(layout.edge_source, return_inverse=True)
+        subtree_end = _subtree_token_end(layout)
+
+        def on_device(array: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(array, dtype=np.int64), device=device)
+
+        return cls(
+            layout=layout,
+            input_ids=on_device(layout.tokens).unsqueeze(0),
+            position_ids=on_device(layout.position_ids).unsqueeze(0),
+            token_segment=on_device(layout.token_segment),
+            token_subtree_end=on_device(subtree_end[layout.token_segment]),
+            segment_starts=on_device(layout.segment_starts),
+            segment_lengths=on_device(layout.segment_lengths),
+            segment_parents=on_device(layout.segment_parents),
+            token_multiplicity=on_device(layout.token_multiplicity),
+            edge_unique_source=on_device(unique_source),
+            edge_source_slot=on_device(source_slot.reshape(-1)),
+            edge_target=on_device(layout.edge_target),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the packed row length (padding included)."""
+        return int(self.input_ids.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        """Device of every tensor of this forest."""
+        return self.input_ids.device
+
+    def _derive(self, key, build):
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    def attention_key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
+        """Keys visible to each block of ``block_size`` consecutive queries.
+
+        Returns one ascending [K_b] index tensor per query block ``b``: the tokens ``k`` with
+        ``k < block_end`` and ``token_subtree_end[k] > block_start``, i.e. every key that at least one
+        query of the block may attend. Attention over these keys with the tree mask costs
+        O(block_size * K_b) memory instead of O(T * T).
+        """
+        return self._derive(("attention_key_blocks", block_size), lambda: self._key_blocks(block_size))
+
+    def _key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
+        subtree_end = self.token_subtree_end.cpu().numpy()
+        blocks = []
+        for start in range(0, self.num_tokens, block_size):
+            end = min(start + block_size, self.num_tokens)
+            visible = np.flatnonzero(subtree_end[:end] > start)
+            blocks.append(torch.as_tensor(visible, dtype=torch.int64, device=self.device))
+        return tuple(blocks)
+
+    def root_path_predecessors(self, window: int) -> torch.Tensor:
+        """[T, window] packed index of the 1st..window-th previous token on each token's root path.
+
+        Column ``j`` holds the token ``j + 1`` steps back along the path (parent segments included);
+        -1 where the path is shorter. Used by the tree causal convolution.
+        """
+        return self._derive(("root_path_predecessors", window), lambda: self._predecessors(window))
+
+    def _predecessors(self, window: int) -> torch.Tensor:
+        layout = self.layout
+        predecessor = np.arange(-1, self.num_tokens - 1, dtype=np.int64)
+        first_tokens = layout.segment_starts
+        parents = layout.segment_parents
+        parent_last = np.where(
+            parents >= 0,
+            layout.segment_starts[np.maximum(parents, 0)] + layout.segment_lengths[np.maximum(parents, 0)] - 1,
+            -1,
+        )
+        predecessor[first_tokens] = parent_last
+        table = np.empty((self.num_tokens, window), dtype=np.int64)
+        current = np.arange(self.num_tokens, dtype=np.int64)
+        for step in range(window):
+            current = np.where(current >= 0, predecessor[np.maximum(current, 0)], -1)
+            table[:, step] = current
+        return torch.as_tensor(table, device=self.device)
