@@ -44,3 +44,45 @@ def megatron_world():
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     yield
+
+
+def random_forest_sequences(rng, *, depth, vocab_size=64, max_children=3, max_segment=9, prefix_ends=True):
+    """Token sequences whose trie is a random forest of the given depth.
+
+    Segment lengths are drawn skewed (many 1-token segments, a few long ones); each leaf path is a
+    sequence, and with ``prefix_ends`` some inner nodes also end a sequence (a sequence that is a
+    prefix of another) and one sequence is duplicated.
+
+    Returns:
+        list of lists of token ids (ids in [1, vocab_size)).
+    """
+
+    def segment():
+        length = 1 if rng.random() < 0.3 else int(rng.integers(1, max_segment + 1))
+        return [int(t) for t in rng.integers(1, vocab_size, size=length)]
+
+    sequences = []
+
+    def grow(prefix, level):
+        path = prefix + segment()
+        if level == depth:
+            sequences.append(path)
+            return
+        if prefix_ends and rng.random() < 0.25:
+            sequences.append(path)
+        for _ in range(int(rng.integers(1, max_children + 1))):
+            grow(path, level + 1)
+
+    for _ in range(int(rng.integers(1, 3))):
+        grow([], 1)
+    if prefix_ends:
+        sequences.append(list(sequences[int(rng.integers(len(sequences)))]))
+    return [s if len(s) >= 2 else s + [1] for s in sequences]
+
+
+@pytest.fixture
+def forest_sequences():
+    """``forest_sequences(seed, depth, **kw)`` -> random sequences whose trie has that depth."""
+    import numpy as np
+
+    return lambda seed, depth, **kw: random_forest_sequences(np.random.default_rng(seed), depth=depth, **kw)

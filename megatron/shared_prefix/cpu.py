@@ -8,7 +8,8 @@ megatron-core 0.19.2 assumes CUDA in a few places that a CPU run reaches (DESIGN
 * ``torch.cuda.current_device()`` is used as an allocation device by the router, the Mamba mixer,
   RoPE and the global memory buffer;
 * ``get_default_causal_mask`` allocates the causal mask on ``"cuda"``;
-* the CUDA RNG tracker forks CUDA generator state;
+* the CUDA RNG tracker forks CUDA generator state, and activation recompute saves and restores the
+  CUDA generator;
 * ``MambaMixer`` binds mamba_ssm's ``RMSNorm``, ``mamba_chunk_scan_combined`` and
   ``mamba_split_conv1d_scan_combined`` when ``megatron.core.ssm.mamba_mixer`` is first imported.
 
@@ -87,6 +88,14 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _no_cuda_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _ignore_cuda_rng_state(*_args, **_kwargs) -> None:
+    return None
+
+
 def enable_cpu() -> bool:
     """Let megatron-core's HybridModel (M, *, -, E layers) build and train on CPU.
 
@@ -112,5 +121,8 @@ def enable_cpu() -> bool:
     # The inference tracker forks no CUDA generator: parameters are initialized from torch's CPU
     # generator, which megatron's model_parallel_cuda_manual_seed does not touch.
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Recompute saves/restores the CPU generator itself; there is no CUDA generator to keep.
+    tp_random._get_cuda_rng_state = _no_cuda_rng_state  # pylint: disable=protected-access
+    tp_random._set_cuda_rng_state = _ignore_cuda_rng_state  # pylint: disable=protected-access
     _cpu_enabled = True
     return True

@@ -94,7 +94,7 @@ class ForestTensors:
         subtree_end = _subtree_token_end(layout)
 
         def on_device(array: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(array, dtype=np.int64), device=device)
+            return torch.from_numpy(np.array(array, dtype=np.int64)).to(device)
 
         return cls(
             layout=layout,
