@@ -121,7 +121,8 @@ class ForestTensors:
         """Device of every tensor of this forest."""
         return self.input_ids.device
 
-    def _derive(self, key, build):
+    def derive(self, key, build):
+        """Return the table cached under ``key``, building it with ``build()`` on first request."""
         if key not in self._derived:
             self._derived[key] = build()
         return self._derived[key]
@@ -134,7 +135,7 @@ class ForestTensors:
         query of the block may attend. Attention over these keys with the tree mask costs
         O(block_size * K_b) memory instead of O(T * T).
         """
-        return self._derive(("attention_key_blocks", block_size), lambda: self._key_blocks(block_size))
+        return self.derive(("attention_key_blocks", block_size), lambda: self._key_blocks(block_size))
 
     def _key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
         subtree_end = self.token_subtree_end.cpu().numpy()
@@ -151,7 +152,7 @@ class ForestTensors:
         Column ``j`` holds the token ``j + 1`` steps back along the path (parent segments included);
         -1 where the path is shorter. Used by the tree causal convolution.
         """
-        return self._derive(("root_path_predecessors", window), lambda: self._predecessors(window))
+        return self.derive(("root_path_predecessors", window), lambda: self._predecessors(window))
 
     def _predecessors(self, window: int) -> torch.Tensor:
         layout = self.layout

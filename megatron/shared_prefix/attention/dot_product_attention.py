@@ -8,8 +8,10 @@ megatron-core's DotProductAttention.
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.shared_prefix.attention.torch_backend import tree_attention
+from megatron.shared_prefix.attention import flex_backend, torch_backend
 from megatron.shared_prefix.tensors import current_forest
+
+TREE_ATTENTION_BACKENDS = ("auto", "torch", "flex")
 
 
 class TreeDotProductAttention(DotProductAttention):
@@ -18,7 +20,18 @@ class TreeDotProductAttention(DotProductAttention):
     The softmax scale is the one DotProductAttention uses (``softmax_scale``, times the layer
     number when ``apply_query_key_layer_scaling`` divided it out). Queries and keys arrive with RoPE
     already applied by ``position_ids`` (the model gathers the rotary table by position).
+
+    Args:
+        tree_backend: "flex" (FlexAttention, CUDA), "torch" (runs everywhere; the oracle), or
+            "auto": flex for CUDA tensors, torch otherwise.
+        Everything else is DotProductAttention's.
     """
+
+    def __init__(self, *args, tree_backend: str = "auto", **kwargs):
+        if tree_backend not in TREE_ATTENTION_BACKENDS:
+            raise ValueError(f"tree_backend must be one of {TREE_ATTENTION_BACKENDS}, got {tree_backend!r}")
+        super().__init__(*args, **kwargs)
+        self.tree_backend = tree_backend
 
     def forward(
         self,
@@ -52,4 +65,6 @@ class TreeDotProductAttention(DotProductAttention):
         scale = self.softmax_scale
         if self.config.apply_query_key_layer_scaling:
             scale *= self.layer_number
-        return tree_attention(query, key, value, forest, softmax_scale=scale)
+        use_flex = self.tree_backend == "flex" or (self.tree_backend == "auto" and query.is_cuda)
+        backend = flex_backend if use_flex else torch_backend
+        return backend.tree_attention(query, key, value, forest, softmax_scale=scale)

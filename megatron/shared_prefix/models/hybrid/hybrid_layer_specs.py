@@ -53,7 +53,11 @@ def _transformer_engine_modules():
 
 
 def hybrid_stack_spec(
-    num_experts: Optional[int] = None, *, use_te: bool = False, mamba_chunk_size: int = 128
+    num_experts: Optional[int] = None,
+    *,
+    use_te: bool = False,
+    mamba_chunk_size: int = 128,
+    attention_backend: str = "auto",
 ) -> ModuleSpec:
     """ModuleSpec of a HybridStack whose layers run on packed prefix forests.
 
@@ -65,6 +69,8 @@ def hybrid_stack_spec(
             megatron-core's own hybrid spec does). Requires Transformer Engine; the core attention and
             the Mamba scan stay the tree-aware local implementations.
         mamba_chunk_size: chunk size of the Mamba SSD scan.
+        attention_backend: tree attention backend, "auto" (FlexAttention on CUDA, torch elsewhere),
+            "flex" or "torch" (see TreeDotProductAttention).
 
     Returns:
         ModuleSpec of :class:`SharedPrefixHybridStack` for ``HybridModel(hybrid_stack_spec=...)``.
@@ -102,7 +108,9 @@ def hybrid_stack_spec(
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=column_linear,
-                    core_attention=TreeDotProductAttention,
+                    core_attention=ModuleSpec(
+                        module=TreeDotProductAttention, params={"tree_backend": attention_backend}
+                    ),
                     linear_proj=row_linear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,

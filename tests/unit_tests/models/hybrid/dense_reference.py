@@ -6,11 +6,12 @@ import torch
 
 def dense_token_losses(model, sequence):
     """[len(sequence)] dense loss: entry j is -log p(sequence[j] | sequence[:j]) (entry 0 is NaN)."""
-    tokens = torch.as_tensor(np.asarray(sequence), dtype=torch.long).unsqueeze(0)
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    device = next(model.parameters()).device
+    tokens = torch.as_tensor(np.asarray(sequence), dtype=torch.long, device=device).unsqueeze(0)
+    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0)
     labels = torch.roll(tokens, shifts=-1, dims=1)
     loss = model(tokens, positions, None, labels=labels)[0]
-    nan = torch.full((1,), float("nan"), dtype=loss.dtype)
+    nan = torch.full((1,), float("nan"), dtype=loss.dtype, device=device)
     return torch.cat([nan, loss[:-1]])
 
 

@@ -1,0 +1,44 @@
+"""bf16 forest forwards on CUDA against two dense runs that differ only in how sequences are batched."""
+
+import numpy as np
+import pytest
+import torch
+from dense_reference import dense_edge_losses, relative_error
+
+from megatron.shared_prefix.planning import plan_shared_prefix
+
+
+def padded_batch_edge_losses(model, sequences, layout):
+    """[E] dense losses from one right-padded batch of the row's sequences (another packing)."""
+    ids = [int(s) for s in layout.sequence_ids]
+    longest = max(len(sequences[i]) for i in ids)
+    tokens = torch.zeros(len(ids), longest, dtype=torch.long)
+    for row, index in enumerate(ids):
+        tokens[row, : len(sequences[index])] = torch.as_tensor(np.asarray(sequences[index]))
+    tokens = tokens.cuda()
+    positions = torch.arange(longest, device="cuda").expand_as(tokens)
+    losses = model(tokens, positions, None, labels=torch.roll(tokens, -1, dims=1))
+    row_of = {index: row for row, index in enumerate(ids)}
+    return torch.stack(
+        [losses[row_of[int(s)], int(j) - 1] for s, j in zip(layout.edge_sequence, layout.edge_position)]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["*-*-", "M*-M"])
+def test_bf16_forest_within_dense_spread(build_model, forest_sequences, pattern):
+    sequences = forest_sequences(seed=1, depth=3, max_segment=120)
+    plan = plan_shared_prefix(sequences, capacity=4096, pad_multiple=128)
+    model = build_model(pattern, seed=0, mamba_chunk_size=64, hidden_size=256, num_attention_heads=8,
+                        num_query_groups=4, ffn_hidden_size=512, mamba_head_dim=32, mamba_state_dim=32)
+    model = model.cuda().bfloat16()
+    errors, spreads = [], []
+    with torch.no_grad():
+        for layout in plan.rows:
+            tree = model(None, None, None, shared_prefix_layout=layout).float()
+            alone = dense_edge_losses(model, sequences, layout).float()
+            batched = padded_batch_edge_losses(model, sequences, layout).float()
+            errors.append(relative_error(tree, alone))
+            spreads.append(relative_error(batched, alone))
+    print(f"{pattern}: tree vs dense {max(errors):.2e}, dense vs dense {max(spreads):.2e}")
+    assert max(errors) <= 2 * max(max(spreads), 2**-8)

@@ -1,0 +1,186 @@
+"""Forward+backward time of tree attention against dense SDPA on the same sequences (CUDA).
+
+For each forest it times, in one process on one GPU:
+
+* dense: ``scaled_dot_product_attention(is_causal=True)`` over the batch of expanded sequences
+  (every leaf sequence, all of the same length, as [G, H, L, D]);
+* tree: our FlexAttention path with the block mask built from the forest (flex_backend);
+* flex-stock: FlexAttention with the same mask_mod but the block mask from ``create_block_mask``;
+* ideal: the attention-pair ratio (query-key pairs of the dense batch / of the tree) and the token
+  ratio (dense tokens / tree tokens), the speedups an exact implementation could reach.
+
+Usage (writes the table into docs/benchmarks.md when --write is given):
+    python tools/bench_attention.py [--heads 32] [--head-dim 128] [--repeats 10] [--write docs/benchmarks.md]
+"""
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from megatron.shared_prefix.attention import flex_backend
+from megatron.shared_prefix.planning import plan_shared_prefix
+from megatron.shared_prefix.tensors import ForestTensors
+
+SECTION = "Tree attention (tools/bench_attention.py)"
+
+
+def star(prompt: int, completion: int, group: int, seed: int = 0):
+    """GRPO group: one prompt, ``group`` completions of equal length."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, 30000, prompt)
+    return [np.concatenate([shared, rng.integers(1, 30000, completion)]) for _ in range(group)]
+
+
+def agent_tree(prompt: int, turn: int, calls: int, branches: int, seed: int = 0):
+    """Depth-3 agent trace: a system prompt, ``calls`` first turns, each with ``branches`` second turns."""
+    rng = np.random.default_rng(seed)
+    root = rng.integers(1, 30000, prompt)
+    sequences = []
+    for _ in range(calls):
+        first = np.concatenate([root, rng.integers(1, 30000, turn)])
+        sequences += [np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)]
+    return sequences
+
+
+def cuda_time_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def forward_backward(attend, *inputs):
+    """A closure running ``attend(*inputs)`` forward and backward."""
+
+    def run():
+        out = attend(*inputs)
+        out.backward(torch.ones_like(out))
+
+    return run
+
+
+def bench_forest(name, sequences, heads, head_dim, repeats):
+    """One table row: times (ms) and ratios for the forest of ``sequences``."""
+    lengths = {len(s) for s in sequences}
+    assert len(lengths) == 1, "dense baseline batches equal-length sequences"
+    length = lengths.pop()
+    plan = plan_shared_prefix(sequences, capacity=sum(len(s) for s in sequences), pad_multiple=128)
+    layout = plan.rows[0]
+    forest = ForestTensors.from_layout(layout, "cuda")
+    real = layout.num_tokens - layout.num_padding
+    dense_pairs = len(sequences) * length * (length + 1) / 2
+    tree_pairs = float((layout.position_ids[:real] + 1).sum())
+    scale = head_dim**-0.5
+    make = lambda *shape: torch.randn(  # noqa: E731
+        *shape, device="cuda", dtype=torch.bfloat16, requires_grad=True
+    )
+
+    dense_qkv = [make(len(sequences), heads, length, head_dim) for _ in range(3)]
+    dense = cuda_time_ms(
+        forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *dense_qkv),
+        repeats,
+    )
+    tree_qkv = [make(layout.num_tokens, 1, heads, head_dim) for _ in range(3)]
+    tree = cuda_time_ms(
+        forward_backward(
+            lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale), *tree_qkv
+        ),
+        repeats,
+    )
+    stock_mask = create_block_mask(
+        flex_backend.tree_mask_mod(forest.token_subtree_end),
+        None,
+        None,
+        layout.num_tokens,
+        layout.num_tokens,
+        device="cuda",
+    )
+    compiled = torch.compile(flex_attention, dynamic=True)
+    flex_qkv = [make(1, heads, layout.num_tokens, head_dim) for _ in range(3)]
+    stock = cuda_time_ms(
+        forward_backward(lambda q, k, v: compiled(q, k, v, block_mask=stock_mask, scale=scale), *flex_qkv),
+        repeats,
+    )
+    return {
+        "forest": name,
+        "tokens dense/tree": f"{len(sequences) * length}/{real}",
+        "dense SDPA ms": dense,
+        "tree ms": tree,
+        "flex-stock ms": stock,
+        "tree speedup": dense / tree,
+        "flex-stock speedup": dense / stock,
+        "ideal (pairs)": dense_pairs / tree_pairs,
+        "token ratio": len(sequences) * length / real,
+        "tree / ideal": (dense / tree) / (dense_pairs / tree_pairs),
+    }
+
+
+def markdown(rows, command):
+    """The benchmark section: command, then one table row per forest."""
+    columns = list(rows[0])
+    lines = [f"## {SECTION}", "", f"Command: `{command}`", "", f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward.", ""]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
+    for row in rows:
+        cells = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path, section_markdown):
+    """Replace (or append) this benchmark's section of ``path``, keeping the other sections."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        text = "# Benchmarks\n"
+    header = f"## {SECTION}"
+    if header in text:
+        start = text.index(header)
+        following = text.find("\n## ", start + len(header))
+        text = text[:start] + section_markdown + (text[following + 1 :] if following >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section_markdown
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--write", help="markdown file whose section to replace with the results")
+    args = parser.parse_args()
+    forests = [
+        ("star P=4096 C=1024 G=16", star(4096, 1024, 16)),
+        ("star P=1024 C=512 G=16", star(1024, 512, 16)),
+        ("star P=8192 C=512 G=8", star(8192, 512, 8)),
+        ("star P=2048 C=2048 G=8", star(2048, 2048, 8)),
+        ("agent depth 3: P=2048, 4 x 512, 4 x 512", agent_tree(2048, 512, 4, 4)),
+    ]
+    rows = []
+    for name, sequences in forests:
+        rows.append(bench_forest(name, sequences, args.heads, args.head_dim, args.repeats))
+        print(rows[-1], flush=True)
+    section = markdown(rows, "python " + " ".join(sys.argv))
+    print(section)
+    if args.write:
+        write_section(args.write, section)
+
+
+if __name__ == "__main__":
+    main()
