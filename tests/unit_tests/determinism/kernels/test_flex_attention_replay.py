@@ -1,0 +1,73 @@
+"""Bitwise replay of tree attention through FlexAttention (attention/flex_backend.py).
+
+On GPU the compiled FlexAttention path is an inductor-generated Triton kernel whose backward
+reduces dK/dV over query blocks, the classic place for run-to-run differences. The GPU test replays
+it forward and backward in bf16, three times against concurrent stream work, rebuilding the forest
+every run so that the block mask (cached on the forest) is replayed too. On CPU, FlexAttention has
+no backward, its eager forward needs Dynamo (which tests/conftest.py turns off for speed), and
+training uses torch_backend instead, so the CPU test replays the part of this file that runs on
+any device: the block-mask construction.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron.shared_prefix.attention import flex_backend
+from megatron.shared_prefix.planning import plan_shared_prefix
+from megatron.shared_prefix.tensors import ForestTensors
+
+from ..replay import assert_bitwise_replay
+
+
+@contextlib.contextmanager
+def _dynamo_enabled():
+    """Compile for real even where TORCH_COMPILE_DISABLE=1 (tests/conftest.py sets it for speed).
+
+    Dynamo remembers functions it skipped while disabled, so its caches are reset on the way in and
+    again on the way out, leaving later tests as they would have been.
+    """
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(disable=False):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+def test_flex_block_mask_replay_cpu(forest_sequences):
+    sequences = forest_sequences(seed=3, depth=3, max_segment=40)
+
+    def make_inputs():
+        return ForestTensors.from_layout(
+            plan_shared_prefix(sequences, capacity=8192).rows[0], "cpu"
+        )
+
+    def fn(forest):
+        mask = flex_backend.tree_block_mask(forest, block_size=16)
+        return mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices
+
+    assert_bitwise_replay(fn, make_inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_tree_attention_replay_gpu(forest_sequences):
+    # Long segments, so rows span many 128-token blocks and the backward reduces across them.
+    sequences = forest_sequences(seed=3, depth=3, max_segment=300)
+
+    def make_inputs():
+        layout = plan_shared_prefix(sequences, capacity=8192).rows[0]
+        # 8 query heads sharing 2 key/value heads, as with GQA in training.
+        qkv = (
+            torch.randn(layout.num_tokens, 1, heads, 64, device="cuda", dtype=torch.bfloat16)
+            for heads in (8, 2, 2)
+        )
+        return (*(t.requires_grad_() for t in qkv), ForestTensors.from_layout(layout, "cuda"))
+
+    def fn(query, key, value, forest):
+        return flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.125)
+
+    with _dynamo_enabled():
+        assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)
