@@ -4,14 +4,14 @@
 (``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE). It is built from megatron-core's local
 (non-Transformer-Engine) modules unless the caller asks for Transformer Engine, so it builds and runs
 on a machine without CUDA (after :func:`megatron.shared_prefix.enable_cpu`). The tree-aware pieces are
-swapped in as submodules: the core attention and the Mamba mixer; the rest is stock megatron-core.
+swapped in as submodules: the core attention, the Mamba mixer and the MoE router; the rest is stock
+megatron-core.
 """
 
 from functools import partial
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megatron.shared_prefix.attention.dot_product_attention import TreeDotProductAttention
 from megatron.shared_prefix.models.hybrid.hybrid_block import SharedPrefixHybridStack
+from megatron.shared_prefix.moe import tree_moe_module_spec
 from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
 
 
@@ -138,7 +139,9 @@ def hybrid_stack_spec(
             module=MoETransformerLayer,
             submodules=TransformerLayerSubmodules(
                 pre_mlp_layernorm=WrappedTorchNorm if not use_te else final_norm,
-                mlp=get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=False),
+                # Row padding stays out of the expert-bias counts (TreeTopKRouter's count_padding);
+                # replace this mlp with tree_moe_module_spec(..., count_padding=True) to count it.
+                mlp=tree_moe_module_spec(use_te=use_te, num_experts=num_experts, count_padding=False),
                 mlp_bda=get_bias_dropout_add,
             ),
         )

@@ -15,6 +15,7 @@ import torch
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 
 from megatron.shared_prefix.layout import ForestLayout
+from megatron.shared_prefix.moe.validation import moe_forest_errors, moe_router_errors
 
 SUPPORTED_LAYER_SYMBOLS = frozenset({Symbols.MAMBA, Symbols.ATTENTION, Symbols.MLP, Symbols.MOE})
 SUPPORTED_POSITION_EMBEDDINGS = ("rope", "none", "learned_absolute")
@@ -105,7 +106,12 @@ def validate_forest_forward(model, layout: ForestLayout, **forward_args: Any) ->
             attention_mask, decoder_input, labels, inference_context, inference_params, loss_mask,
             packed_seq_params, padding_mask).
     """
-    errors = _config_errors(model.config) + _layer_errors(model)
+    errors = (
+        _config_errors(model.config)
+        + moe_forest_errors(model.config)
+        + _layer_errors(model)
+        + moe_router_errors(model)
+    )
     for name in (
         "attention_mask",
         "decoder_input",

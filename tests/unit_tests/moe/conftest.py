@@ -1,0 +1,141 @@
+"""Tiny MoE configs, routers and models for the MoE tests (CPU, float32)."""
+
+import contextlib
+
+import pytest
+import torch
+
+# Every load-balancing loss megatron-core offers, each with its own coefficient.
+ALL_AUX_LOSSES = dict(
+    moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+    moe_aux_loss_coeff=[1e-2, 2e-2, 3e-2],
+    moe_z_loss_coeff=1e-3,
+)
+# Aux-loss-free balancing: expert bias with a sigmoid score function (megatron-core requires it).
+EXPERT_BIAS = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+
+
+def moe_config(**overrides):
+    """A float32 TransformerConfig with 4 experts, top-2, hidden size 32."""
+    from megatron.core.transformer import TransformerConfig
+
+    settings = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        mamba_state_dim=8,
+        mamba_head_dim=8,
+        mamba_num_groups=2,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_mamba_mem_eff_path=True,
+        normalization="RMSNorm",
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+@pytest.fixture
+def build_router(megatron_world):
+    """``build_router(count_padding=False, seed=0, **config)`` -> TreeTopKRouter in training mode.
+
+    Weights are drawn with std 1 (not the init's 0.02) so routing decisions are far from ties.
+    """
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron.shared_prefix.moe import TreeTopKRouter
+
+    def build(count_padding=False, seed=0, **config):
+        torch.manual_seed(seed)
+        router = TreeTopKRouter(
+            moe_config(**config), get_default_pg_collection(), count_padding=count_padding
+        )
+        with torch.no_grad():
+            router.weight.normal_()
+            if router.bias is not None:
+                router.bias.normal_()
+            if router.expert_bias is not None:
+                router.expert_bias.normal_(std=0.1)
+        router.set_layer_number(1)
+        return router.train()
+
+    return build
+
+
+@pytest.fixture
+def build_model(megatron_world):
+    """``build_model(pattern, seed=0, **config)`` -> SharedPrefixHybridModel from hybrid_stack_spec."""
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+
+    def build(pattern, *, seed=0, **config):
+        config.setdefault("num_layers", len(pattern))
+        torch.manual_seed(seed)
+        return SharedPrefixHybridModel(
+            moe_config(**config),
+            hybrid_stack_spec=hybrid_stack_spec(4, mamba_chunk_size=8),
+            vocab_size=64,
+            max_sequence_length=512,
+            hybrid_layer_pattern=pattern,
+            position_embedding_type="rope",
+        )
+
+    return build
+
+
+@pytest.fixture
+def metrics():
+    """A fresh global MoE metrics tracker (where routers log their aux losses) for this test.
+
+    A fresh one, because the tracker sizes each metric by the first model's layer count.
+    """
+    from megatron.core.transformer.moe.moe_logging import (
+        MoEMetricsTracker,
+        destroy_moe_metrics_tracker,
+        set_moe_metrics_tracker,
+    )
+
+    tracker = MoEMetricsTracker()
+    set_moe_metrics_tracker(tracker)
+    yield tracker
+    destroy_moe_metrics_tracker()
+
+
+class _HostStream:
+    """Stands in for the CUDA side stream of megatron-core's alltoall dispatcher on a CPU."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def host_streams(monkeypatch):
+    """Let MoEAlltoAllTokenDispatcher run without CUDA.
+
+    The dispatcher creates a ``torch.cuda.Stream`` when it is built and copies its split sizes to
+    the host on it; on a CPU every tensor already is on the host, so one inert stream object for
+    both the side stream and the current stream makes those copies plain no-ops.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    stream = _HostStream()
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda _stream: contextlib.nullcontext())
+    yield
