@@ -1,5 +1,5 @@
 # Quick start: `make test` runs the test suite, `make train` trains the built-in tiny model.
-# Both create .venv (Python >= 3.12 from PATH or pyenv) and install the project on first use.
+# Both create .venv (Python >= 3.12, preferring 3.12, from PATH or pyenv) and install the project on first use.
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 .PHONY: test train
 
 $(PY):
-	@python=$$(for c in python3.13 python3.12 python3; do \
-	    p=$$(command -v $$c) && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && echo $$p && break; \
-	  done); \
+	@python=""; \
+	for c in python3.12 python3 python3.13; do \
+	  p=$$(command -v $$c) && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
+	    && python=$$p && break; \
+	done; \
 	if [ -z "$$python" ] && command -v pyenv >/dev/null; then \
-	  for v in $$(pyenv versions --bare | grep -E '^3\.(1[2-9])' | sort -rV); do \
+	  for v in $$(pyenv versions --bare | grep -E '^3\.1[2-9]' | sort -V); do \
 	    python=$$(PYENV_VERSION=$$v pyenv which python3 2>/dev/null) && break; \
 	  done; \
 	fi; \
