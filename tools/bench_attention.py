@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from benchmark_report import write_section  # tools/ is on sys.path when run as a script
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron.shared_prefix.attention import flex_backend
@@ -138,24 +139,6 @@ def markdown(rows, command):
         cells = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def write_section(path, section_markdown):
-    """Replace (or append) this benchmark's section of ``path``, keeping the other sections."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        text = "# Benchmarks\n"
-    header = f"## {SECTION}"
-    if header in text:
-        start = text.index(header)
-        following = text.find("\n## ", start + len(header))
-        text = text[:start] + section_markdown + (text[following + 1 :] if following >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section_markdown
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
 
 
 def main():

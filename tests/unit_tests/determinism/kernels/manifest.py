@@ -128,4 +128,38 @@ ENTRIES = [
             "only the block-mask construction is replayed there."
         ),
     ),
+    KernelEntry(
+        name="tree_mamba_scan",
+        sources=(
+            "megatron/shared_prefix/ssm/tree_scan.py",
+            "megatron/shared_prefix/ssm/mamba_mixer.py",
+        ),
+        tests=(
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_scan_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+        ),
+        kind="external kernel",
+        training_path=True,
+        notes=(
+            "Packed mamba_chunk_scan_combined (mamba_ssm Triton on CUDA, torch_ssd on CPU) with "
+            "seq_idx = segment, then the forked-state correction (float64 cumsum, per-parent "
+            "einsums, a custom autograd function writing each child token once). CUDA replay needs "
+            "deterministic mode (mamba_ssm's backward uses atomics)."
+        ),
+    ),
+    KernelEntry(
+        name="tree_conv1d",
+        sources=("megatron/shared_prefix/ssm/tree_conv.py",),
+        tests=(
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_conv_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+        ),
+        kind="pure PyTorch",
+        training_path=True,
+        notes=(
+            "F.conv1d over the packed row plus root-path window gathers for segment heads, written "
+            "back with a non-accumulating index_put; the gather's backward accumulates into parent "
+            "tails (bit-reproducible on CUDA only in deterministic mode)."
+        ),
+    ),
 ]

@@ -3,13 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from dense_reference import dense_edge_losses, gradients, relative_error
+from dense_reference import assert_forest_matches_dense, gradients
 
 from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.tensors import current_forest
-
-LOSS_TOLERANCE = 1e-5
-GRAD_TOLERANCE = 1e-4
 
 
 def random_loss_masks(sequences, seed):
@@ -21,36 +18,6 @@ def random_loss_masks(sequences, seed):
         mask[0] = False
         masks.append(mask.tolist())
     return masks
-
-
-def assert_forest_matches_dense(model, sequences, plan, seed=0):
-    """Per-edge losses and the gradients of sum(w * loss) over all rows equal the dense ones."""
-    generator = torch.Generator().manual_seed(seed)
-    model.zero_grad()
-    tree_losses, weights = [], []
-    for layout in plan.rows:
-        loss = model(None, None, None, shared_prefix_layout=layout)
-        assert loss.dtype == torch.float32 and loss.shape == (len(layout.edge_source),)
-        w = torch.rand(loss.shape, generator=generator) + 0.5
-        (loss * w).sum().backward()
-        tree_losses.append(loss.detach())
-        weights.append(w)
-    tree_grads = gradients(model)
-
-    model.zero_grad()
-    dense_losses = []
-    for layout, w in zip(plan.rows, weights):
-        dense = dense_edge_losses(model, sequences, layout)
-        (dense * w).sum().backward()
-        dense_losses.append(dense.detach())
-    dense_grads = gradients(model)
-
-    assert relative_error(torch.cat(tree_losses), torch.cat(dense_losses)) <= LOSS_TOLERANCE
-    assert tree_grads.keys() == dense_grads.keys()
-    for name, expected in dense_grads.items():
-        assert (tree_grads[name] is None) == (expected is None), name
-        if expected is not None and expected.abs().max() > 0:
-            assert relative_error(tree_grads[name], expected) <= GRAD_TOLERANCE, name
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])

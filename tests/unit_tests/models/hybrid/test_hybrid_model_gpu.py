@@ -8,6 +8,14 @@ from dense_reference import dense_edge_losses, relative_error
 from megatron.shared_prefix.planning import plan_shared_prefix
 
 
+def _causal_conv1d_available():
+    try:
+        import causal_conv1d  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+    except ImportError:
+        return False
+    return True
+
+
 def padded_batch_edge_losses(model, sequences, layout):
     """[E] dense losses from one right-padded batch of the row's sequences (another packing)."""
     ids = [int(s) for s in layout.sequence_ids]
@@ -29,8 +37,10 @@ def padded_batch_edge_losses(model, sequences, layout):
 def test_bf16_forest_within_dense_spread(build_model, forest_sequences, pattern):
     sequences = forest_sequences(seed=1, depth=3, max_segment=120)
     plan = plan_shared_prefix(sequences, capacity=4096, pad_multiple=128)
+    # The dense runs take megatron's fused Mamba path only where causal-conv1d (which it needs) imports.
     model = build_model(pattern, seed=0, mamba_chunk_size=64, hidden_size=256, num_attention_heads=8,
-                        num_query_groups=4, ffn_hidden_size=512, mamba_head_dim=32, mamba_state_dim=32)
+                        num_query_groups=4, ffn_hidden_size=512, mamba_head_dim=32, mamba_state_dim=32,
+                        use_mamba_mem_eff_path=_causal_conv1d_available())
     model = model.cuda().bfloat16()
     errors, spreads = [], []
     with torch.no_grad():

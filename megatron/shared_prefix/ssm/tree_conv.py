@@ -1,0 +1,107 @@
+"""Causal depthwise conv1d over a prefix forest (upstream: megatron/core/ssm/ops/).
+
+Mamba's short convolution gives token ``t`` the window of itself and the ``w - 1`` tokens before it.
+On a packed forest "before" means along t's *root path*: inside its segment while it can, then the
+tail of the parent segment, then the grandparent's when the parent is shorter than the window, and
+zeros beyond the root. That is exactly the window the token has in every original sequence through
+it, so the convolution of each packed token equals the dense one.
+
+Implementation (memory O(T * channels)):
+
+1. one ordinary causal conv over the packed row (``F.conv1d`` with ``w - 1`` zeros of left padding,
+   ``groups = channels``), as megatron-core's non-fused path runs it. It is right for every token
+   whose window lies inside its own segment, i.e. all but the first ``min(w - 1, len)`` tokens of
+   each segment;
+2. a fix-up of those few tokens: their windows are gathered along the root path
+   (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv is recomputed for them,
+   and written back out of place (``index_put`` without accumulation: each fixed token is written
+   once, so the result and its gradient do not depend on any order).
+
+The fix-up touches at most ``S * (w - 1)`` tokens (S segments), a small fraction of the row.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.shared_prefix.tensors import ForestTensors
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [F], windows [F, width]) of the tokens whose window leaves their segment.
+
+    ``windows[i, k]`` is the packed index of the token that tap ``k`` of the weight multiplies for
+    ``tokens[i]`` (tap ``width - 1`` is the token itself, tap ``width - 1 - j`` the j-th previous
+    token on its root path), -1 where the root path is shorter. Cached on the forest.
+    """
+
+    def build():
+        positions = torch.arange(forest.num_tokens, device=forest.device)
+        offset = positions - forest.segment_starts[forest.token_segment]
+        tokens = torch.nonzero(offset < width - 1).reshape(-1)
+        predecessors = forest.root_path_predecessors(width - 1)[tokens]  # [F, w - 1], nearest first
+        windows = torch.cat([predecessors.flip(-1), tokens[:, None]], dim=1)
+        return tokens, windows
+
+    return forest.derive(("tree_conv_fixup", width), build)
+
+
+def tree_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    forest: ForestTensors,
+    activation: Optional[str] = None,
+) -> torch.Tensor:
+    """Depthwise causal convolution of every packed token over its root-path window.
+
+    Args:
+        x: [1, T, d] packed features (token-major, as they sit in Mamba's ``xBC``).
+        weight: [d, w] or [d, 1, w] taps; tap ``w - 1`` multiplies the token itself.
+        bias: [d] or None.
+        forest: the row's metadata; T must equal ``forest.num_tokens``.
+        activation: None, "silu" or "swish" (applied after the bias).
+
+    Returns:
+        [1, T, d] in x's dtype: ``act(bias + sum_k weight[:, k] * x[token w-1-k steps back on the
+        root path])``. The fix-up is computed in float32 (float64 for float64 inputs).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != forest.num_tokens:
+        raise ValueError(
+            f"tree_causal_conv1d expects x of shape [1, T={forest.num_tokens}, d], "
+            f"got {tuple(x.shape)}"
+        )
+    channels = x.shape[2]
+    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    if weight.shape[0] != channels or (bias is not None and tuple(bias.shape) != (channels,)):
+        raise ValueError(
+            f"weight must be [{channels}, w] (or [{channels}, 1, w]) and bias [{channels}], got "
+            f"{tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}"
+        )
+    width, length = weight.shape[1], x.shape[1]
+
+    # 1. The ordinary causal conv of the packed row: right wherever the window stays in-segment.
+    out = F.conv1d(
+        x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=channels
+    )[..., :length]
+    out = out.transpose(1, 2)[0]  # [T, d]
+
+    # 2. Recompute the first min(w - 1, len) tokens of every segment from their root-path windows.
+    if width > 1:
+        tokens, windows = _fixup_windows(forest, width)
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        present = (windows >= 0).unsqueeze(-1)  # [F, w, 1]
+        gathered = x[0][windows.clamp(min=0)] * present  # [F, w, d]; zeros beyond the root
+        fixed = torch.einsum("fkd,dk->fd", gathered.to(compute), weight.to(compute))
+        if bias is not None:
+            fixed = fixed + bias.to(compute)
+        out = out.index_put((tokens,), fixed.to(out.dtype))
+
+    if activation is not None:
+        out = F.silu(out)
+    return out.unsqueeze(0)

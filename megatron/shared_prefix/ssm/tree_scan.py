@@ -1,0 +1,377 @@
+"""Mamba-2 SSD scan over a prefix forest, exact and differentiable (upstream: megatron/core/ssm/ops).
+
+Every packed token must see the SSM state its original sequences have: the state entering a
+segment is the state at the end of its parent segment (forked to every child), and so on up to the
+root. :func:`tree_ssd_scan` computes that with one ordinary packed scan plus a small correction.
+
+Linearity argument (what makes the correction exact)
+----------------------------------------------------
+Per head, the recurrence is ``s_t = a_t s_{t-1} + b_t`` with ``a_t = exp(dt_t A)`` (a scalar) and
+``b_t = dt_t x_t B_t^T`` ([P, N]); ``y_t = s_t C_t + D x_t``. Take a segment ``c`` whose tokens are
+``t_0 .. t_e`` and whose state entering ``t_0`` is ``h_in`` (the state after the parent's last
+token; zero for a root). Unrolling the recurrence inside the segment,
+
+    s_t = (a_t a_{t-1} ... a_{t_0}) h_in + s0_t,   s0_t = sum_{t_0 <= u <= t} (a_t ... a_{u+1}) b_u,
+
+where ``s0`` is the solution of the same recurrence started from zero at ``t_0``. With the
+within-segment cumulative log-decay ``cum_t = sum_{t_0 <= u <= t} dt_u A`` the product is
+``exp(cum_t)``, hence
+
+    y_t = y0_t + C_t . (exp(cum_t) h_in),                                                    (1)
+    h_end(c) = s0_{t_e} + exp(cum_{t_e}) h_in,  s0_{t_e} = sum_u exp(cum_{t_e} - cum_u) b_u,  (2)
+
+where ``y0`` is the output of a zero-initial-state scan of the segment alone (D skip included: it
+does not involve the state). A packed scan with ``seq_idx = token_segment`` gives ``y0`` for every
+segment at once; (2), evaluated parents-first, gives every internal segment's end state, and (1)
+adds the inherited part to every token of a non-root segment. When the gate ``silu(z)`` is applied
+to y (the unnormalized Mamba variant), it multiplies (1) term by term, so the scan keeps fusing it
+and the correction is gated alike.
+
+Cost: the packed scan (O(T) work and memory, no padding); a float64 segmented cumulative sum of
+``dt * A`` over [T, H] (differences of float64 prefix sums: exact enough at any row length, where
+float32 prefix sums minus offsets would cancel); per internal segment one [L, H, P] x [L, N]
+product for (2); per internal segment, for (1), a gather of its children's C and a [K, N] x [N, P]
+product per head, in a custom autograd function that keeps nothing of size [K, H, P] for backward.
+Python iterates once per *internal* segment (a GRPO group has one); the end states kept for
+backward are O(internal segments x H x P x N), float32.
+
+Why not level-wise batches with ``initial_states``: mamba_ssm's chunk scan takes one initial state
+per *batch row*. Running each depth of the forest as a batch whose rows are that depth's segments,
+each started from its parent's end state (``return_final_states`` of the previous depth), pads
+every row to its longest sibling (a GRPO group with completions of 64..2048 tokens costs
+16 x 2048 tokens instead of their sum), gathers a padded copy of every depth, and launches one scan
+per depth, one after the other. The packed scan plus (1)-(2) has no padding and one scan launch per
+layer. tools/bench_mamba.py times both.
+
+Backends: the packed scan is ``torch_ssd.mamba_chunk_scan_combined`` (pure torch, any device: the
+CPU path and the oracle) or mamba_ssm's Triton ``mamba_chunk_scan_combined`` (CUDA); both are
+called identically. The correction is plain torch on either. Gathers with repeated indices are kept
+out of the backward (see ``_per_token``); like mamba_ssm's own backward kernels, the float
+accumulations left (cumulative sums, matrix products) are bitwise reproducible under
+``torch.use_deterministic_algorithms(True)``.
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megatron.shared_prefix.ssm import torch_ssd
+from megatron.shared_prefix.tensors import ForestTensors
+
+# Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
+# pylint: disable=invalid-name
+
+TREE_SCAN_BACKENDS = ("auto", "torch", "triton")
+_NO_DT_LIMIT = (0.0, math.inf)
+
+
+def triton_chunk_scan():
+    """mamba_ssm's Triton ``mamba_chunk_scan_combined``, or None when mamba_ssm cannot be imported
+    (or when the pure-torch fallback of ``megatron.shared_prefix.cpu`` stands in for it)."""
+    try:
+        from mamba_ssm.ops.triton import ssd_combined  # pylint: disable=import-outside-toplevel
+    except Exception:  # pylint: disable=broad-except  # any import failure means "not available"
+        return None
+    if getattr(ssd_combined, "__shared_prefix_fallback__", False):
+        return None
+    return ssd_combined.mamba_chunk_scan_combined
+
+
+def packed_chunk_scan(backend: str, device: torch.device):
+    """The packed scan that ``backend`` ("auto", "torch", "triton") selects on ``device``."""
+    if backend not in TREE_SCAN_BACKENDS:
+        raise ValueError(f"backend must be one of {TREE_SCAN_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return torch_ssd.mamba_chunk_scan_combined
+    triton_scan = triton_chunk_scan()
+    if backend == "triton":
+        if triton_scan is None or device.type != "cuda":
+            raise ValueError(
+                "backend='triton' needs CUDA tensors and mamba_ssm's Triton kernels "
+                f"(device {device}, mamba_ssm {'importable' if triton_scan else 'not importable'})"
+            )
+        return triton_scan
+    return (
+        triton_scan
+        if triton_scan is not None and device.type == "cuda"
+        else torch_ssd.mamba_chunk_scan_combined
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeScanPlan:
+    """Index tables of one forest for :func:`tree_ssd_scan` (built once per forest, cached on it).
+
+    Attributes:
+        seq_idx: [1, T] int32 segment id of each token (the packed scan's sequence boundaries).
+        internal: per internal segment (one with children), in increasing segment index (parents
+            first): (segment, first token, end token (exclusive), slot of its parent among the
+            internal segments or -1 for a root).
+        child_tokens: per internal segment, [K_p] int64 packed indices of its children's tokens.
+        all_child_tokens: [sum K_p] the concatenation (distinct indices: every token of a non-root
+            segment, once).
+        segment_first: [S] int64 first token of each segment; segment_last: [S] its last token.
+    """
+
+    seq_idx: torch.Tensor
+    internal: tuple[tuple[int, int, int, int], ...]
+    child_tokens: tuple[torch.Tensor, ...]
+    all_child_tokens: torch.Tensor
+    segment_first: torch.Tensor
+    segment_last: torch.Tensor
+
+    @classmethod
+    def of(cls, forest: ForestTensors) -> "TreeScanPlan":
+        """The plan of ``forest``, cached on it."""
+        return forest.derive("tree_scan_plan", lambda: cls._build(forest))
+
+    @classmethod
+    def _build(cls, forest: ForestTensors) -> "TreeScanPlan":
+        layout = forest.layout
+        starts, lengths, parents = (
+            layout.segment_starts,
+            layout.segment_lengths,
+            layout.segment_parents,
+        )
+        internal_segments = np.unique(parents[parents >= 0])
+        slot_of = {int(segment): slot for slot, segment in enumerate(internal_segments)}
+        internal = tuple(
+            (
+                int(segment),
+                int(starts[segment]),
+                int(starts[segment] + lengths[segment]),
+                slot_of.get(int(parents[segment]), -1),
+            )
+            for segment in internal_segments
+        )
+        token_parent = parents[layout.token_segment]  # parent segment of each token's segment
+        order = np.argsort(token_parent, kind="stable")
+        bounds = np.searchsorted(token_parent[order], internal_segments, side="left")
+        ends = np.searchsorted(token_parent[order], internal_segments, side="right")
+
+        def on_device(array):
+            return torch.from_numpy(np.array(array, dtype=np.int64)).to(forest.device)
+
+        child_tokens = tuple(on_device(order[b:e]) for b, e in zip(bounds, ends))
+        all_children = order[bounds[0] :] if len(internal_segments) else order[:0]
+        return cls(
+            seq_idx=forest.token_segment.to(torch.int32).unsqueeze(0).contiguous(),
+            internal=internal,
+            child_tokens=child_tokens,
+            all_child_tokens=on_device(all_children),
+            segment_first=on_device(starts),
+            segment_last=on_device(starts + lengths - 1),
+        )
+
+
+def _compute_dtype(*tensors):
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def process_dt(dt, dt_bias, dt_softplus, dt_limit):
+    """mamba_ssm's step size: ``clamp(softplus?(dt + dt_bias), *dt_limit)`` (softplus is the
+    identity above 20, as ``F.softplus``)."""
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if dt_softplus:
+        dt = F.softplus(dt)
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def _per_token(values: torch.Tensor, plan: TreeScanPlan, length: int) -> torch.Tensor:
+    """[T, h] holding ``values[s]`` ([S, h], float64) on every token of segment s.
+
+    Built as the cumulative sum of the steps between consecutive segments' values, placed at the
+    segment starts, rather than as ``values[token_segment]``: the backward of that gather would add
+    every token's gradient into its segment's row through atomics on CUDA (run-to-run bit changes,
+    heavy contention); this one's backward is a reverse cumulative sum and a gather at distinct
+    indices. Rounding: float64 sums of at most S steps, far below float32 resolution.
+    """
+    steps = torch.diff(values, dim=0, prepend=values.new_zeros(1, values.shape[1]))
+    return (
+        values.new_zeros(length, values.shape[1]).index_put((plan.segment_first,), steps).cumsum(0)
+    )
+
+
+def tree_ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    forest: ForestTensors,
+    *,
+    D: Optional[torch.Tensor] = None,
+    z: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = _NO_DT_LIMIT,
+    backend: str = "auto",
+    scan_kwargs: Optional[dict] = None,
+) -> torch.Tensor:
+    """Mamba-2 selective scan of a packed forest row; every token sees its root path's state.
+
+    Arguments follow mamba_ssm's ``mamba_chunk_scan_combined`` for one row: x [1, T, h, p], dt
+    [1, T, h], A [h], B and C [1, T, g, n] (head i reads group i // (h // g)), D [h] or [h, p], z
+    [1, T, h, p] (output gate ``silu(z)``), dt_bias [h], dt_softplus, dt_limit; T is
+    ``forest.num_tokens``.
+
+    Args:
+        chunk_size: chunk size of the packed scan.
+        forest: the row's metadata.
+        backend: "torch" (torch_ssd, any device), "triton" (mamba_ssm, CUDA) or "auto" (triton for
+            CUDA tensors when mamba_ssm imports, torch otherwise).
+        scan_kwargs: extra keyword arguments for the packed scan (e.g. mamba_ssm's ``state_dtype``).
+
+    Returns:
+        y [1, T, h, p] in x's dtype: for every token, the output its original sequences give it.
+        dt is processed once here (bias, softplus, clamp; float32, or float64 for float64 inputs)
+        and the packed scan gets the processed dt, so it and the correction use the same steps. The
+        correction and the forked states are float32 (float64 for float64 inputs), whatever
+        x's dtype.
+    """
+    if x.dim() != 4 or x.shape[0] != 1 or x.shape[1] != forest.num_tokens:
+        raise ValueError(
+            f"tree_ssd_scan expects x of shape [1, T={forest.num_tokens}, h, p], "
+            f"got {tuple(x.shape)}"
+        )
+    _, length, heads, head_dim = x.shape
+    groups, state_dim = B.shape[-2:]
+    if tuple(dt.shape) != (1, length, heads) or tuple(A.shape) != (heads,):
+        raise ValueError(
+            f"dt must be [1, {length}, {heads}] and A [{heads}], "
+            f"got {tuple(dt.shape)}, {tuple(A.shape)}"
+        )
+    if tuple(B.shape) != (1, length, groups, state_dim) or C.shape != B.shape or heads % groups:
+        raise ValueError(
+            f"B and C must be [1, {length}, g, n] with g dividing {heads}, "
+            f"got {tuple(B.shape)}, {tuple(C.shape)}"
+        )
+    mamba_chunk_scan_combined = packed_chunk_scan(backend, x.device)  # torch_ssd's or mamba_ssm's
+    plan = TreeScanPlan.of(forest)
+    compute = _compute_dtype(x, dt, A, B, C, D, z, dt_bias)
+    dt = process_dt(
+        dt.to(compute), None if dt_bias is None else dt_bias.to(compute), dt_softplus, dt_limit
+    )
+
+    # y0: zero initial state at every segment start (seq_idx changes there), D skip and gate fused.
+    y = mamba_chunk_scan_combined(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=D,
+        z=z,
+        seq_idx=plan.seq_idx,
+        dt_softplus=False,
+        **(scan_kwargs or {}),
+    )
+    if not plan.internal:
+        return y
+
+    # Segmented cumulative log-decay: float64 prefix sums, differences taken in float64 (no
+    # cancellation), then the compute dtype. cum[t] = sum over t's segment up to t; to_end[t] = sum
+    # over (t, end of t's segment] (<= 0).
+    log_decay = dt[0].double() * A.double()  # [T, h]
+    prefix = log_decay.cumsum(0)
+    before_segment = F.pad(prefix, (0, 0, 1, 0))[
+        plan.segment_first
+    ]  # [S, h] sum before the segment
+    segment_end = prefix[plan.segment_last]  # [S, h]
+    cum = (prefix - _per_token(before_segment, plan, length)).to(compute)  # [T, h]
+    to_end = (_per_token(segment_end, plan, length) - prefix).to(compute)  # [T, h]
+    cum_end = (segment_end - before_segment).to(compute)  # [S, h]
+    # Weight of token u's input in its segment's end state, (2): exp(cum_end - cum_u) * dt_u.
+    input_weight = torch.exp(to_end) * dt[0]  # [T, h]
+
+    per_group = heads // groups
+    ends = []
+    for segment, first, end, parent_slot in plan.internal:
+        # (2): this segment's own contribution, then the inherited state decayed over the segment.
+        weighted_x = x[0, first:end].to(compute) * input_weight[first:end, :, None]
+        weighted_x = weighted_x.reshape(end - first, groups, per_group, head_dim)
+        state = torch.einsum("lgrp,lgn->grpn", weighted_x, B[0, first:end].to(compute))
+        if parent_slot >= 0:
+            decay = torch.exp(cum_end[segment]).view(groups, per_group, 1, 1)
+            state = state + decay * ends[parent_slot]
+        ends.append(state)
+
+    # (1) for every child token, gated like y when z is given.
+    out = _InheritedStateOutput.apply(
+        y[0], None if z is None else z[0], C[0], cum, plan.child_tokens, *ends
+    )
+    return out.unsqueeze(0)
+
+
+class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstract-method
+    """``y`` with ``gate_t * exp(cum_t) * (C_t . state(parent))`` added at every child token t, (1).
+
+    Inputs: y [T, h, p] (the packed scan's output), z [T, h, p] or None (gate silu(z)), C [T, g, n],
+    cum [T, h] (compute dtype), child_tokens (per internal segment, the tokens of its children;
+    disjoint), then one end state [g, h / g, p, n] (compute dtype) per internal segment.
+
+    A custom function so that nothing of size [children, h, p] is kept for backward: autograd
+    through the same expression would save the product C . state, the decayed correction and the
+    gate, each a float32 tensor as large as the layer's output; here backward recomputes C . state
+    per parent from C and the small states. Every child token is written exactly once (the sets are
+    disjoint), so forward and backward are plain gathers and writes, with no accumulation whose
+    order could vary.
+    """
+
+    @staticmethod
+    def forward(ctx, y, z, C, cum, child_tokens, *states):  # pylint: disable=arguments-differ
+        compute = cum.dtype
+        out = y.clone()
+        for children, state in zip(child_tokens, states):
+            correction = _inherited(C[children].to(compute), state) * torch.exp(
+                cum[children]
+            ).unsqueeze(-1)
+            if z is not None:
+                correction = correction * F.silu(z[children].to(compute))
+            out[children] = (y[children].to(compute) + correction).to(out.dtype)
+        ctx.child_tokens = child_tokens
+        ctx.save_for_backward(z, C, cum, *states)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+        z, C, cum, *states = ctx.saved_tensors
+        compute = cum.dtype
+        need_z, need_C, need_cum = ctx.needs_input_grad[1:4]
+        grad_z = None if z is None or not need_z else torch.zeros_like(z)
+        grad_C = torch.zeros_like(C) if need_C else None
+        grad_cum = torch.zeros_like(cum) if need_cum else None
+        grad_states = []
+        for children, state in zip(ctx.child_tokens, states):
+            grad = grad_out[children].to(compute)  # [k, h, p]
+            C_k = C[children].to(compute)
+            decay = torch.exp(cum[children]).unsqueeze(-1)  # [k, h, 1]
+            inherited = _inherited(C_k, state)  # [k, h, p], recomputed
+            if z is not None:
+                z_k = z[children].to(compute)
+                sigmoid = torch.sigmoid(z_k)
+                if grad_z is not None:
+                    d_silu = sigmoid * (1 + z_k * (1 - sigmoid))
+                    grad_z[children] = (grad * inherited * decay * d_silu).to(z.dtype)
+                grad = grad * (z_k * sigmoid)
+            if grad_cum is not None:
+                grad_cum[children] = (grad * inherited).sum(-1) * decay.squeeze(-1)
+            grad = (grad * decay).view(len(children), *state.shape[:3])  # [k, g, r, p]
+            if grad_C is not None:
+                grad_C[children] = torch.einsum("kgrp,grpn->kgn", grad, state).to(C.dtype)
+            grad_states.append(torch.einsum("kgrp,kgn->grpn", grad, C_k))
+        return (grad_out, grad_z, grad_C, grad_cum, None, *grad_states)
+
+
+def _inherited(C_k: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """[k, h, p] = C_k . state per head: C_k [k, g, n], state [g, h / g, p, n]."""
+    return torch.einsum("kgn,grpn->kgrp", C_k, state).flatten(1, 2)

@@ -1,0 +1,148 @@
+"""Bitwise replay of the tree Mamba ops (ssm/tree_conv.py, ssm/tree_scan.py, ssm/mamba_mixer.py).
+
+Kernel-determinism coverage (tests/unit_tests/determinism/kernels/manifest.py, docs/determinism.md):
+the tree conv (F.conv1d, gathers along root paths, an out-of-place index_put), the tree scan (the
+packed chunk scan — torch_ssd on CPU, mamba_ssm's Triton kernel on CUDA — a float64 cumulative sum,
+the forked-state correction) and the mixer that chains them must give identical bits run after run,
+forward and backward, under PyTorch's deterministic settings. The forest has several internal
+segments, one-token segments, windows crossing two segment boundaries and padding; lengths are not
+multiples of the chunk size.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.shared_prefix.planning import plan_shared_prefix
+from megatron.shared_prefix.ssm.tree_conv import tree_causal_conv1d
+from megatron.shared_prefix.ssm.tree_scan import tree_ssd_scan
+from megatron.shared_prefix.tensors import ForestTensors, forest_scope
+
+from ..replay import assert_bitwise_replay
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+HEADS, HEADDIM, GROUPS, STATE, WIDTH, CHUNK = 4, 8, 2, 8, 4, 16
+
+
+def replay_forest(device):
+    """A depth-3 row with one-token segments, long segments spanning chunks, and padding."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 50, 37).tolist()
+    sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 2, 3, 8], [1, 9]]
+    sequences += [prompt + rng.integers(1, 50, n).tolist() for n in (1, 23, 40)]
+    sequences += [prompt[:20] + rng.integers(1, 50, 30).tolist()]
+    layout = plan_shared_prefix(sequences, capacity=512, pad_multiple=16).rows[0]
+    return ForestTensors.from_layout(layout, device)
+
+
+def _param(*shape, device, scale=1.0, shift=0.0):
+    return (torch.randn(*shape, device=device) * scale + shift).requires_grad_()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_conv_replay(device):
+    forest = replay_forest(device)
+    channels = HEADS * HEADDIM + 2 * GROUPS * STATE
+
+    def make_inputs():
+        return (
+            _param(1, forest.num_tokens, channels, device=device),
+            _param(channels, WIDTH, device=device, scale=0.5),
+            _param(channels, device=device, scale=0.1),
+        )
+
+    def fn(x, weight, bias):
+        return tree_causal_conv1d(x, weight, bias, forest, activation="silu")
+
+    assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gate", [True, False], ids=["z", "no-z"])
+def test_tree_scan_replay(device, gate):
+    forest = replay_forest(device)
+    length = forest.num_tokens
+
+    def make_inputs():
+        return (
+            _param(1, length, HEADS, HEADDIM, device=device),  # x
+            _param(1, length, HEADS, device=device, scale=0.5, shift=-1.0),  # dt
+            (-torch.rand(HEADS, device=device) - 0.5).requires_grad_(),  # A < 0
+            _param(1, length, GROUPS, STATE, device=device),  # B
+            _param(1, length, GROUPS, STATE, device=device),  # C
+            _param(HEADS, device=device),  # D
+            _param(1, length, HEADS, HEADDIM, device=device),  # z
+            _param(HEADS, device=device, scale=0.3),  # dt_bias
+        )
+
+    def fn(x, dt, A, B, C, D, z, dt_bias):
+        return tree_ssd_scan(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            CHUNK,
+            forest,
+            D=D,
+            z=z if gate else None,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+        )
+
+    assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_mamba_mixer_replay(megatron_world, device):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
+
+    forest = replay_forest(device)
+    torch.manual_seed(0)
+    if torch.cuda.is_available():  # the mixer initializes parameters in the tracker's CUDA fork
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        mamba_state_dim=STATE,
+        mamba_head_dim=HEADDIM,
+        mamba_num_groups=GROUPS,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+    )
+    mixer = TreeMambaMixer(
+        config,
+        MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+        d_model=32,
+        chunk_size=CHUNK,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
+    ).to(device)
+
+    def make_inputs():
+        return _param(forest.num_tokens, 1, 32, device=device)
+
+    def fn(hidden_states):
+        with forest_scope(forest):
+            return mixer(hidden_states)[0]
+
+    assert_bitwise_replay(fn, make_inputs, module=mixer, concurrent_stream_work=device == "cuda")

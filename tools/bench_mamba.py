@@ -1,0 +1,504 @@
+"""Forward+backward time and peak memory of one tree Mamba mixer against dense and fork baselines (CUDA).
+
+For each forest it runs one megatron-core Mamba mixer (in_proj, conv, SSD scan, gated norm, out_proj;
+bf16, hidden 2048 by default, head dim 64, state 128, 8 groups), in one process on one GPU, as:
+
+* dense: the stock MambaMixer on the expanded sequences as one right-padded batch [L_max, G, hidden]
+  (what a dense trainer runs);
+* dense varlen: the expanded sequences packed into one row without padding (every sequence a root
+  segment of a flat forest), so that dense pays for exactly its logical tokens;
+* tree: TreeMambaMixer on the forest (each unique token once; conv windows and SSM state forked);
+* varlen, tree tokens: the same packed row with every segment an independent root: the cost of the
+  same number of tokens without the fork. Target: tree within 15% of it;
+* level-wise fork: the alternative tree_scan.py did not choose: for every depth a batch of that
+  depth's segments padded to the longest, scanned with ``initial_states`` = the parent's end state and
+  the conv window prefixed with the parent's tail (exact, padding has dt = 0).
+
+Reported: median ms of forward+backward over ``--repeats`` runs, peak memory above the inputs (GiB),
+the token ratio (logical tokens / tree tokens, the speedup an ideal token-proportional layer gets),
+tree speedup over both dense runs, tree / ideal, tree / varlen, and the one-time cost of the forest's
+index tables (built once per row, shared by every layer).
+
+The dense runs take megatron's fused path (``use_mamba_mem_eff_path``) when causal-conv1d imports,
+its unfused path (F.conv1d + mamba_ssm's chunk scan) otherwise; the table says which.
+
+Usage (writes the table into docs/benchmarks.md when --write is given):
+    python tools/bench_mamba.py [--hidden 2048] [--repeats 10] [--write docs/benchmarks.md]
+    python tools/bench_mamba.py --check [--device cpu]   # tiny run: all variants agree, then exit
+"""
+
+import argparse
+import socket
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from benchmark_report import cuda_time_ms, markdown_table, write_section
+
+from megatron.shared_prefix.cpu import enable_cpu, install_mamba_ssm_fallback
+
+install_mamba_ssm_fallback()
+
+# pylint: disable=wrong-import-position
+from megatron.shared_prefix.layout import ForestLayout  # noqa: E402
+from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
+from megatron.shared_prefix.ssm.tree_conv import _fixup_windows  # noqa: E402
+from megatron.shared_prefix.ssm.tree_scan import (  # noqa: E402
+    TreeScanPlan,
+    packed_chunk_scan,
+    process_dt,
+)
+from megatron.shared_prefix.tensors import ForestTensors, forest_scope  # noqa: E402
+
+SECTION = "Tree Mamba mixer (tools/bench_mamba.py)"
+
+
+# ----------------------------------------------------------------------------------------------------
+# forests
+
+
+def star(prompt, completions, seed=0):
+    """GRPO group: one prompt, one completion per entry of ``completions`` (their lengths)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, 30000, prompt)
+    return [np.concatenate([shared, rng.integers(1, 30000, n)]) for n in completions]
+
+
+def agent_tree(prompt, turn, calls, branches, seed=0):
+    """Depth-3 agent trace: a system prompt, ``calls`` first turns, each with ``branches`` second turns."""
+    rng = np.random.default_rng(seed)
+    root = rng.integers(1, 30000, prompt)
+    sequences = []
+    for _ in range(calls):
+        first = np.concatenate([root, rng.integers(1, 30000, turn)])
+        sequences += [
+            np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)
+        ]
+    return sequences
+
+
+def flat_layout(lengths):
+    """A row of independent root segments of the given lengths (a dense varlen batch as a forest)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    empty = np.zeros(0, dtype=np.int64)
+    return ForestLayout(
+        tokens=np.zeros(int(lengths.sum()), dtype=np.int64),
+        position_ids=np.concatenate([np.arange(n) for n in lengths]),
+        segment_starts=starts,
+        segment_lengths=lengths,
+        segment_parents=np.full(len(lengths), -1),
+        token_multiplicity=np.ones(int(lengths.sum()), dtype=np.int64),
+        edge_source=empty,
+        edge_target=empty,
+        edge_sequence=empty,
+        edge_position=empty,
+        sequence_ids=np.arange(len(lengths)),
+        sequence_last_index=starts + lengths - 1,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# the mixer
+
+
+def init_megatron(device):
+    import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+    from megatron.core import (  # pylint: disable=import-outside-toplevel
+        parallel_state,
+        tensor_parallel,
+    )
+
+    if device == "cpu":
+        enable_cpu()
+    if not dist.is_initialized():
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+        )
+    parallel_state.initialize_model_parallel(1, 1)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def causal_conv1d_available():
+    try:
+        import causal_conv1d  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+    except ImportError:
+        return False
+    return True
+
+
+def build_mixer(args, dtype):
+    from megatron.core.process_groups_config import (
+        ProcessGroupCollection,  # pylint: disable=import-outside-toplevel
+    )
+    from megatron.core.ssm.mamba_mixer import (
+        MambaMixerSubmodules,  # pylint: disable=import-outside-toplevel
+    )
+    from megatron.core.tensor_parallel import (  # pylint: disable=import-outside-toplevel
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
+    from megatron.core.transformer import (
+        TransformerConfig,  # pylint: disable=import-outside-toplevel
+    )
+
+    from megatron.shared_prefix.ssm.mamba_mixer import (
+        TreeMambaMixer,  # pylint: disable=import-outside-toplevel
+    )
+
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_attention_heads=16,
+        mamba_state_dim=args.state,
+        mamba_head_dim=args.head_dim,
+        mamba_num_groups=args.groups,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=args.device == "cpu",
+        use_mamba_mem_eff_path=args.device == "cuda" and causal_conv1d_available(),
+    )
+    mixer = TreeMambaMixer(
+        config,
+        MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+        d_model=args.hidden,
+        chunk_size=args.chunk,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
+    )
+    return mixer.to(args.device)
+
+
+class LevelwiseFork:
+    """The level-wise alternative to tree_scan.py, exact: one padded batch per depth of the forest.
+
+    Depth d's segments form a batch padded to its longest segment; each row's conv input is prefixed
+    with the w - 1 tokens before the segment on its root path (zeros past the root), and its scan
+    starts from its parent's end state (``initial_states``; zero for roots). Padding has dt = 0, so a
+    row's final state is the state after its last real token. Index tables are built once (__init__).
+    """
+
+    def __init__(self, mixer, layout, forest):
+        width = mixer.d_conv
+        predecessors = forest.root_path_predecessors(width - 1).cpu().numpy()
+        starts, lengths, depth = layout.segment_starts, layout.segment_lengths, layout.segment_depth
+        self.mixer, self.width = mixer, width
+        self.levels, row_of = [], {}
+        for level in range(int(depth.max()) + 1):
+            segments = np.flatnonzero(depth == level)
+            longest = int(lengths[segments].max())
+            grid = np.full((len(segments), width - 1 + longest), -1, dtype=np.int64)
+            parent_rows = []
+            for row, segment in enumerate(segments):
+                first, length = int(starts[segment]), int(lengths[segment])
+                grid[row, : width - 1] = predecessors[first][::-1]
+                grid[row, width - 1 : width - 1 + length] = np.arange(first, first + length)
+                parent = int(layout.segment_parents[segment])
+                parent_rows.append(row_of[parent] if parent >= 0 else (-1, -1))
+                row_of[int(segment)] = (level, row)
+            tokens = torch.as_tensor(grid, device=forest.device)
+            self.levels.append((tokens, parent_rows))
+        order = np.concatenate(
+            [
+                grid_tokens[:, width - 1 :].cpu().numpy().reshape(-1)
+                for grid_tokens, _ in self.levels
+            ]
+        )
+        real = order >= 0
+        self.real = torch.as_tensor(real, device=forest.device)
+        self.inverse = torch.as_tensor(np.argsort(order[real]), device=forest.device)
+
+    def __call__(self, hidden_states):
+        mixer = self.mixer
+        heads, groups, state, head_dim = mixer.nheads, mixer.ngroups, mixer.d_state, mixer.headdim
+        inner = heads * head_dim
+        zxBCdt, _ = mixer.in_proj(hidden_states)
+        z, xBC, dt = zxBCdt[:, 0].split([inner, inner + 2 * groups * state, heads], dim=-1)
+        A = -torch.exp(mixer.A_log.float())
+        D = mixer.D.float().reshape(heads, head_dim) if mixer.D_has_hdim else mixer.D
+        scan = packed_chunk_scan("auto", hidden_states.device)
+        finals, outputs = [], []
+        for tokens, parent_rows in self.levels:
+            rows, length = tokens.shape[0], tokens.shape[1] - (self.width - 1)
+            present = (tokens >= 0).unsqueeze(-1)
+            window = xBC[tokens.clamp(min=0)] * present  # [rows, w - 1 + L, channels]
+            conv = F.conv1d(
+                window.transpose(1, 2),
+                mixer.conv1d_weight,
+                mixer.conv1d_bias,
+                groups=window.shape[-1],
+            )
+            conv = F.silu(conv).transpose(1, 2)  # [rows, L, channels]
+            x, B, C = conv.split([inner, groups * state, groups * state], dim=-1)
+            segment_tokens, real = (
+                tokens[:, self.width - 1 :].clamp(min=0),
+                present[:, self.width - 1 :],
+            )
+            step = (
+                process_dt(
+                    dt[segment_tokens].float(), mixer.dt_bias.float(), True, (0.0, float("inf"))
+                )
+                * real
+            )
+            initial = torch.stack(
+                [
+                    (
+                        finals[level][row]
+                        if level >= 0
+                        else x.new_zeros(heads, head_dim, state, dtype=torch.float32)
+                    )
+                    for level, row in parent_rows
+                ]
+            )
+            y, final = scan(
+                x.reshape(rows, length, heads, head_dim).contiguous(),
+                step,
+                A,
+                B.reshape(rows, length, groups, state).contiguous(),
+                C.reshape(rows, length, groups, state).contiguous(),
+                mixer.chunk_size,
+                D=D,
+                z=(
+                    None
+                    if mixer.rmsnorm
+                    else z[segment_tokens].reshape(rows, length, heads, head_dim)
+                ),
+                initial_states=initial.to(x.dtype if x.dtype == torch.float64 else torch.float32),
+                return_final_states=True,
+            )
+            finals.append(final)
+            outputs.append(y.reshape(rows * length, inner))
+        y = torch.cat(outputs)[self.real][self.inverse].unsqueeze(1)  # packed order, [T, 1, inner]
+        if mixer.rmsnorm:
+            y = mixer.norm(y, z.unsqueeze(1))
+        return mixer.out_proj(y)[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# measurements
+
+
+def measure(run, repeats, device):
+    """(median ms, peak GiB above what was allocated before) of ``run()`` (forward + backward)."""
+    if device != "cuda":
+        start = time.perf_counter()
+        run()
+        return 1000 * (time.perf_counter() - start), float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return cuda_time_ms(run, repeats), peak
+
+
+def forward_backward(mixer, forward, hidden):
+    """A closure: forward(hidden) and backward of a fixed projection, parameter grads reset first."""
+    probe = torch.randn_like(hidden)
+
+    def run():
+        mixer.zero_grad(set_to_none=True)
+        hidden.grad = None
+        out = forward(hidden)
+        out.backward(probe)
+        return out
+
+    return run
+
+
+def variants(mixer, sequences, dtype, device):
+    """name -> (run closure, tokens) for the five variants, plus the tree's layout and table time."""
+    hidden_size = mixer.d_model
+    lengths = [len(s) for s in sequences]
+    plan = plan_shared_prefix(sequences, capacity=sum(lengths), pad_multiple=1)
+    assert len(plan.rows) == 1
+    layout = plan.rows[0]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    forest = ForestTensors.from_layout(layout, device)
+    TreeScanPlan.of(forest)
+    _fixup_windows(forest, mixer.d_conv)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    tables_ms = 1000 * (time.perf_counter() - start)
+
+    def hidden(*shape):
+        return torch.randn(*shape, hidden_size, device=device, dtype=dtype, requires_grad=True)
+
+    def in_forest(scoped_forest):
+        def forward(states):
+            with forest_scope(scoped_forest):
+                return mixer(states)[0]
+
+        return forward
+
+    expanded = ForestTensors.from_layout(flat_layout(lengths), device)
+    same_tokens = ForestTensors.from_layout(flat_layout(layout.segment_lengths), device)
+    for table_forest in (expanded, same_tokens):
+        TreeScanPlan.of(table_forest)
+        _fixup_windows(table_forest, mixer.d_conv)
+    levelwise = LevelwiseFork(mixer, layout, forest)
+    longest = max(lengths)
+    runs = {
+        "dense": (
+            forward_backward(mixer, lambda s: mixer(s)[0], hidden(longest, len(sequences))),
+            longest * len(sequences),
+        ),
+        "dense varlen": (
+            forward_backward(mixer, in_forest(expanded), hidden(sum(lengths), 1)),
+            sum(lengths),
+        ),
+        "tree": (
+            forward_backward(mixer, in_forest(forest), hidden(layout.num_tokens, 1)),
+            layout.num_tokens,
+        ),
+        "varlen, tree tokens": (
+            forward_backward(mixer, in_forest(same_tokens), hidden(layout.num_tokens, 1)),
+            layout.num_tokens,
+        ),
+        "level-wise fork": (
+            forward_backward(mixer, levelwise, hidden(layout.num_tokens, 1)),
+            sum(
+                int(t.shape[0]) * (int(t.shape[1]) - mixer.d_conv + 1) for t, _ in levelwise.levels
+            ),
+        ),
+    }
+    return runs, layout, tables_ms
+
+
+def bench_forest(name, sequences, mixer, args, dtype):
+    runs, layout, tables_ms = variants(mixer, sequences, dtype, args.device)
+    results = {key: measure(run, args.repeats, args.device) for key, (run, _) in runs.items()}
+    logical = sum(len(s) for s in sequences)
+    ideal = logical / layout.num_tokens
+    ms = {key: value[0] for key, value in results.items()}
+    row = {
+        "forest": name,
+        "tokens logical/tree": f"{logical}/{layout.num_tokens}",
+        "level-wise tokens": runs["level-wise fork"][1],
+    }
+    for key in runs:
+        row[f"{key} ms"] = ms[key]
+    for key in runs:
+        row[f"{key} GiB"] = results[key][1]
+    row.update(
+        {
+            "token ratio": ideal,
+            "speedup vs dense": ms["dense"] / ms["tree"],
+            "speedup vs dense varlen": ms["dense varlen"] / ms["tree"],
+            "tree / ideal": (ms["dense varlen"] / ms["tree"]) / ideal,
+            "tree / varlen": ms["tree"] / ms["varlen, tree tokens"],
+            "tables ms (once per row)": tables_ms,
+        }
+    )
+    return row
+
+
+def markdown(rows, command, args, mixer):
+    path = "fused (mem-eff)" if mixer.use_mem_eff_path else "unfused (causal-conv1d absent)"
+    lines = [
+        f"## {SECTION}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; one Mamba "
+        f"mixer, hidden {args.hidden}, {mixer.nheads} heads x {args.head_dim}, state {args.state}, "
+        f"{args.groups} groups, chunk {args.chunk}, bf16, forward+backward; dense path: {path}. ms: median "
+        f"of {args.repeats}; GiB: peak memory above the inputs. Token ratio = logical / tree tokens; "
+        "tree / ideal = (dense varlen / tree time) / token ratio; tree / varlen = tree time over the "
+        "same packed tokens without the fork (target <= 1.15).",
+        "",
+    ]
+    return "\n".join(lines + markdown_table(rows)) + "\n"
+
+
+def check(args):
+    """Tiny configuration: every variant computes the same per-token function as the tree."""
+    dtype = torch.float32
+    mixer = build_mixer(args, dtype)
+    sequences = agent_tree(13, 6, 2, 2) + star(9, [1, 4, 20])
+    print(bench_forest("check", sequences, mixer, args, dtype))  # every variant runs
+    layout = plan_shared_prefix(sequences, capacity=sum(len(s) for s in sequences)).rows[0]
+    forest = ForestTensors.from_layout(layout, args.device)
+    states = torch.randn(layout.num_tokens, 1, mixer.d_model, device=args.device, dtype=dtype)
+    with torch.no_grad():
+        with forest_scope(forest):
+            tree = mixer(states)[0]
+        levelwise = LevelwiseFork(mixer, layout, forest)(states)
+        paths = [
+            torch.as_tensor(layout.root_path(k), device=args.device)
+            for k in range(len(layout.sequence_ids))
+        ]
+        dense = [mixer(states[path])[0] for path in paths]
+    tree_paths = [tree[path] for path in paths]
+    errors = {
+        "level-wise": float((levelwise - tree).norm() / tree.norm()),
+        "dense": float(
+            (torch.cat(dense) - torch.cat(tree_paths)).norm() / torch.cat(tree_paths).norm()
+        ),
+    }
+    # float32: exact up to rounding on CPU; on CUDA, Triton's tl.dot rounds float32 to TF32 (~5e-4
+    # per product) and the variants chunk differently, so allow what test_torch_ssd.py allows.
+    tolerance = 1e-5 if args.device == "cpu" else 5e-3
+    print(f"relative errors against the tree: {errors} (tolerance {tolerance})")
+    assert all(error < tolerance for error in errors.values()), errors
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--state", type=int, default=128)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--check", action="store_true", help="tiny correctness run of every variant, then exit"
+    )
+    parser.add_argument("--write", help="markdown file whose section to replace with the results")
+    args = parser.parse_args()
+    init_megatron(args.device)
+    if args.check:
+        args.hidden, args.head_dim, args.state, args.groups, args.chunk = 32, 8, 8, 2, 8
+        check(args)
+        return
+    if args.device != "cuda":
+        raise SystemExit(
+            "the benchmark needs a CUDA device (use --check for a CPU correctness run)"
+        )
+    mixer = build_mixer(args, torch.bfloat16)
+    skewed = [int(round(64 * 32 ** (i / 15))) for i in range(16)]  # 64 .. 2048, geometric
+    forests = [
+        ("star P=4096 C=1024 G=16", star(4096, [1024] * 16)),
+        ("skewed star P=4096 C=64..2048 G=16", star(4096, skewed)),
+        ("agent depth 3: P=2048, 4 x 512, 4 x 512", agent_tree(2048, 512, 4, 4)),
+    ]
+    rows = []
+    for name, sequences in forests:
+        rows.append(bench_forest(name, sequences, mixer, args, torch.bfloat16))
+        print(rows[-1], flush=True)
+    section = markdown(rows, "python " + " ".join(sys.argv), args, mixer)
+    print(section)
+    if args.write:
+        write_section(args.write, section)
+
+
+if __name__ == "__main__":
+    main()

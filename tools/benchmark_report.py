@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmarks in tools/: CUDA timing and their sections of docs/benchmarks.md.
+
+Each benchmark writes one ``## <title>`` section (its command, device and table) and replaces only
+that section when it runs again, so benchmarks never overwrite each other's results.
+"""
+
+import statistics
+
+import torch
+
+
+def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def markdown_table(rows) -> list:
+    """Lines of a markdown table with one row per dict of ``rows`` (floats with 2 decimals)."""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_section(path, section_markdown):
+    """Replace (or append) the section of ``path`` whose header is the first line of ``section_markdown``.
+
+    ``section_markdown`` starts with its ``## title`` line; every other section of the file is kept.
+    """
+    header = section_markdown.split("\n", 1)[0]
+    if not header.startswith("## "):
+        raise ValueError(f"a benchmark section must start with a '## ' header, got {header!r}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        text = "# Benchmarks\n"
+    lines = text.split("\n")
+    if header in lines:
+        start = sum(len(line) + 1 for line in lines[: lines.index(header)])
+        following = text.find("\n## ", start + len(header))
+        rest = text[following + 1 :] if following >= 0 else ""
+        text = text[:start] + section_markdown.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section_markdown.rstrip("\n") + "\n"
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
