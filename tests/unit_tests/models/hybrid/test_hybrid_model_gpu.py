@@ -38,10 +38,21 @@ def test_bf16_forest_within_dense_spread(build_model, forest_sequences, pattern)
     sequences = forest_sequences(seed=1, depth=3, max_segment=120)
     plan = plan_shared_prefix(sequences, capacity=4096, pad_multiple=128)
     # The dense runs take megatron's fused Mamba path only where causal-conv1d (which it needs) imports.
-    model = build_model(pattern, seed=0, mamba_chunk_size=64, hidden_size=256, num_attention_heads=8,
-                        num_query_groups=4, ffn_hidden_size=512, mamba_head_dim=32, mamba_state_dim=32,
-                        use_mamba_mem_eff_path=_causal_conv1d_available())
-    model = model.cuda().bfloat16()
+    # A bf16 model as Megatron builds one: MambaLayer casts its input to config.params_dtype.
+    model = build_model(
+        pattern,
+        seed=0,
+        mamba_chunk_size=64,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=512,
+        mamba_head_dim=32,
+        mamba_state_dim=32,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_mamba_mem_eff_path=_causal_conv1d_available(),
+    ).cuda()
     errors, spreads = [], []
     with torch.no_grad():
         for layout in plan.rows:

@@ -1,0 +1,215 @@
+"""Command line of pretrain_hybrid.py: Megatron's own arguments plus a ``--shared-prefix-*`` group.
+
+Both trainers (megatron.training on CUDA, the single-process loop elsewhere) read the same
+namespace, parsed by Megatron's parser with :func:`add_shared_prefix_args` as its
+``extra_args_provider``.
+
+Defaults come in two layers, both applied with ``parser.set_defaults`` so that any flag given on the
+command line wins:
+
+* :data:`SCRIPT_DEFAULTS` always: settings a forest requires (dropout 0) or this script's data path
+  relies on (pre-tokenized data, per-token loss reduction, external data iterator);
+* :data:`TINY_MODEL_PRESET` only when no model-size flag (:data:`MODEL_SHAPE_FLAGS`) is given: the
+  built-in tiny model, batch and schedule, so that ``python pretrain_hybrid.py`` trains out of the
+  box (``--hybrid-layer-pattern`` alone keeps the tiny sizes with another layer mix). Give any
+  model-size flag and you configure a real model with Megatron's usual defaults and requirements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+from typing import Optional, Sequence
+
+__all__ = [
+    "DEFAULT_LAYER_PATTERN",
+    "SCRIPT_DEFAULTS",
+    "TINY_MODEL_PRESET",
+    "MODEL_SHAPE_FLAGS",
+    "TRAINERS",
+    "add_shared_prefix_args",
+    "extra_args_provider",
+    "uses_tiny_model",
+    "parse_arguments",
+]
+
+# Every layer type a forest supports, once each: Mamba (M), attention (*), MLP (-) and MoE (E).
+DEFAULT_LAYER_PATTERN = "M*-E"
+
+TRAINERS = ("auto", "megatron", "loop")
+
+SCRIPT_DEFAULTS = {
+    # A packed token stands for every sequence through it: dropout masks cannot differ between them.
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    # The loss function returns (weighted loss sum, units); Megatron divides by the global units.
+    "calculate_per_token_loss": True,
+    # The data iterator yields packed rows built by this package, not Megatron's indexed datasets.
+    "dataloader_type": "external",
+    "eval_iters": 0,
+    "eval_interval": 1000,
+    # Records are pre-tokenized: a tokenizer only supplies the vocabulary size.
+    "tokenizer_type": "NullTokenizer",
+    # megatron-core's local modules (hybrid_stack_spec(use_te=False)); TE fused RoPE is not used.
+    "transformer_impl": "local",
+    "apply_rope_fusion": False,
+    "no_persist_layer_norm": True,
+    # Fused weight-gradient accumulation needs Apex's CUDA extension with the local linear layers.
+    "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda")
+    is not None,
+}
+
+TINY_MODEL_PRESET = {
+    "hybrid_layer_pattern": DEFAULT_LAYER_PATTERN,
+    "hidden_size": 128,
+    "ffn_hidden_size": 256,
+    "num_attention_heads": 8,
+    "group_query_attention": True,
+    "num_query_groups": 2,
+    "num_experts": 4,
+    "moe_ffn_hidden_size": 128,
+    "moe_router_topk": 2,
+    # megatron-core's local SequentialMLP experts on CPU need bias-free linear layers.
+    "add_bias_linear": False,
+    "mamba_state_dim": 16,
+    "mamba_head_dim": 16,
+    "mamba_num_groups": 2,
+    "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+    "vocab_size": 64,
+    "make_vocab_size_divisible_by": 64,
+    "seq_length": 256,
+    "max_position_embeddings": 256,
+    "micro_batch_size": 1,
+    "global_batch_size": 32,
+    "train_iters": 300,
+    "lr": 3e-3,
+    "min_lr": 3e-4,
+    "lr_decay_style": "cosine",
+    "lr_warmup_iters": 10,
+    "log_interval": 20,
+}
+
+# Flags that size the network; giving any of them turns the tiny-model preset off.
+MODEL_SHAPE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_experts",
+)
+
+
+def add_shared_prefix_args(
+    parser: argparse.ArgumentParser, preset: Optional[dict] = None
+) -> argparse.ArgumentParser:
+    """Add the ``--shared-prefix-*`` flags and this script's defaults to Megatron's parser.
+
+    Args:
+        parser: Megatron's parser (its arguments already added).
+        preset: extra defaults (the tiny-model preset, or None).
+    """
+    group = parser.add_argument_group("shared-prefix", "shared-prefix packing (docs/training.md)")
+    group.add_argument(
+        "--shared-prefix-packing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Pack each global batch as prefix forests so shared prefixes are computed once "
+        "(default). --no-shared-prefix-packing runs the same data dense, one padded micro-batch of "
+        "--micro-batch-size sequences at a time, with the same loss normalization.",
+    )
+    group.add_argument(
+        "--shared-prefix-capacity",
+        type=int,
+        default=None,
+        help="Token capacity of one packed row (one micro-batch); default --seq-length. A sequence "
+        "longer than this is an error (see --shared-prefix-drop-overlong).",
+    )
+    group.add_argument(
+        "--shared-prefix-loss-normalization",
+        choices=("token", "sequence"),
+        default="token",
+        help="token: weighted target losses summed and divided by the loss tokens of the global "
+        "batch; sequence: per-sequence mean, then mean over the sequences of the global batch.",
+    )
+    group.add_argument(
+        "--shared-prefix-drop-overlong",
+        action="store_true",
+        help="Drop sequences longer than --shared-prefix-capacity instead of failing; they are "
+        "counted and reported when the data is loaded.",
+    )
+    group.add_argument(
+        "--shared-prefix-metrics-jsonl",
+        type=str,
+        default=os.path.join("runs", "pretrain_hybrid", "metrics.jsonl"),
+        help="Write one JSON object of step metrics per iteration here ('' disables). Truncated at "
+        "the start of a fresh run, appended to when resuming with --load.",
+    )
+    group.add_argument(
+        "--shared-prefix-trainer",
+        choices=TRAINERS,
+        default="auto",
+        help="megatron: megatron.training.pretrain (needs CUDA); loop: the single-process loop "
+        "of megatron/shared_prefix/training/loop.py; auto: megatron when CUDA is available, "
+        "else loop.",
+    )
+    parser.set_defaults(**SCRIPT_DEFAULTS, **(preset or {}))
+    _escape_bare_percent_signs(parser)
+    return parser
+
+
+def _escape_bare_percent_signs(parser: argparse.ArgumentParser) -> None:
+    """Let ``--help`` work: argparse %-formats help strings, some of Megatron's hold a bare '%'."""
+    for action in parser._actions:  # pylint: disable=protected-access
+        if not action.help:
+            continue
+        try:
+            _ = action.help % dict(vars(action), prog=parser.prog)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+
+
+def _megatron_parser(preset: Optional[dict]) -> argparse.ArgumentParser:
+    """Megatron's parser with this script's flags and defaults (and ``preset``)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(
+        description="pretrain_hybrid.py (Megatron-LM arguments)", allow_abbrev=False
+    )
+    add_megatron_arguments(parser)
+    return add_shared_prefix_args(parser, preset)
+
+
+def uses_tiny_model(argv: Sequence[str]) -> bool:
+    """True when ``argv`` gives none of :data:`MODEL_SHAPE_FLAGS` (the tiny preset applies)."""
+    args, _ = _megatron_parser(None).parse_known_args(list(argv))
+    return all(getattr(args, name) is None for name in MODEL_SHAPE_FLAGS)
+
+
+def _preset(argv: Sequence[str]) -> Optional[dict]:
+    """The tiny-model preset if ``argv`` selects it, else None."""
+    return TINY_MODEL_PRESET if uses_tiny_model(argv) else None
+
+
+def extra_args_provider(argv: Sequence[str]):
+    """The ``extra_args_provider`` for ``argv``: our flags, and the tiny preset when it applies."""
+    return functools.partial(add_shared_prefix_args, preset=_preset(argv))
+
+
+def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse and validate ``argv`` as Megatron does, without touching Megatron's global state.
+
+    Used by the single-process loop (megatron.training parses sys.argv itself). Megatron's
+    ``validate_args`` derives the remaining fields (``num_layers`` from the pattern, dtypes, weight
+    decay range, ...).
+    """
+    from megatron.training.arguments import validate_args
+
+    argv = list(argv)
+    args = _megatron_parser(_preset(argv)).parse_args(argv)
+    args.rank = int(os.getenv("RANK", "0"))
+    args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    validate_args(args)
+    return args

@@ -1,0 +1,189 @@
+"""Global batch of examples -> micro-batches (packed rows, or dense padded batches), host side.
+
+One optimizer step consumes one global batch of ``--global-batch-size`` examples. With packing, the
+whole global batch (or, under data parallelism, this rank's share of it) is planned at once, so
+every shared prefix in it is computed once; each planned row (at most ``--shared-prefix-capacity``
+tokens) is one micro-batch and gradients accumulate across rows. Without packing,
+``--micro-batch-size`` examples form a right-padded dense micro-batch for the plain HybridModel
+forward.
+
+Every micro-batch carries the loss coefficients of its targets and its ``units`` (loss.py): the
+step's loss is ``sum over micro-batches of sum(coefficients * CE) / sum of units``, the same for
+both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+import numpy as np
+
+from megatron.shared_prefix.layout import ForestLayout
+from megatron.shared_prefix.planning import plan_shared_prefix
+from megatron.shared_prefix.training.data import Example
+from megatron.shared_prefix.training.loss import (
+    LossNormalization,
+    example_units,
+    row_coefficients,
+    row_units,
+    target_coefficients,
+)
+
+__all__ = [
+    "PackedRow",
+    "DenseMicroBatch",
+    "MicroBatch",
+    "StepBatch",
+    "build_step_batch",
+    "empty_row",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedRow:
+    """One packed micro-batch: a forest row and the loss coefficient of each of its E edges.
+
+    Attributes:
+        layout: the row (tokens, segments, edges); the model returns its [E] edge losses.
+        coefficients: [E] float32 loss coefficient of each edge.
+        units: this row's share of the step's loss divisor.
+    """
+
+    layout: ForestLayout
+    coefficients: np.ndarray
+    units: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Executed tokens of the row (T)."""
+        return self.layout.num_tokens
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DenseMicroBatch:
+    """``b`` examples right-padded to a common length ``S`` for the plain (dense) forward.
+
+    Attributes:
+        tokens: [b, S] int64 token ids, 0 past each example's end.
+        labels: [b, S] int64, ``labels[i, t] = tokens[i, t + 1]`` (0 where there is none).
+        coefficients: [b, S] float32 coefficient of the target predicted at ``t`` (token ``t + 1``);
+            0 on padding and unsupervised positions.
+        units: this micro-batch's share of the step's loss divisor.
+    """
+
+    tokens: np.ndarray
+    labels: np.ndarray
+    coefficients: np.ndarray
+    units: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Executed tokens of the batch, padding included (b x S)."""
+        return int(self.tokens.size)
+
+
+MicroBatch = Union[PackedRow, DenseMicroBatch]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepBatch:
+    """The micro-batches of one optimizer step and the token counts reported for it.
+
+    Attributes:
+        micro_batches: rows (packed) or dense micro-batches, run with gradient accumulation.
+        num_examples: original examples in the step.
+        logical_tokens: tokens a dense run computes (sum of example lengths).
+        executed_tokens: tokens the micro-batches compute (row lengths, or padded dense batches).
+        loss_tokens: supervised targets.
+        units: the step's loss divisor (sum of the micro-batches' units).
+    """
+
+    micro_batches: tuple[MicroBatch, ...]
+    num_examples: int
+    logical_tokens: int
+    executed_tokens: int
+    loss_tokens: int
+    units: int
+
+
+def _packed(
+    examples: Sequence[Example], capacity: int, normalization: LossNormalization
+) -> StepBatch:
+    plan = plan_shared_prefix(
+        [e.tokens for e in examples], [e.loss_mask for e in examples], capacity=capacity
+    )
+    rows = tuple(
+        PackedRow(
+            layout=layout,
+            coefficients=row_coefficients(layout, examples, normalization),
+            units=row_units(layout, examples, normalization),
+        )
+        for layout in plan.rows
+    )
+    return StepBatch(
+        micro_batches=rows,
+        num_examples=len(examples),
+        logical_tokens=plan.logical_tokens,
+        executed_tokens=plan.executed_tokens,
+        loss_tokens=plan.loss_tokens,
+        units=sum(row.units for row in rows),
+    )
+
+
+def _dense_micro_batch(
+    examples: Sequence[Example], normalization: LossNormalization
+) -> DenseMicroBatch:
+    length = max(len(e) for e in examples)
+    tokens = np.zeros((len(examples), length), dtype=np.int64)
+    labels = np.zeros_like(tokens)
+    coefficients = np.zeros((len(examples), length), dtype=np.float32)
+    for i, example in enumerate(examples):
+        n = len(example)
+        tokens[i, :n] = example.tokens
+        labels[i, : n - 1] = example.tokens[1:]
+        coefficients[i, : n - 1] = target_coefficients(example, normalization)[1:]
+    units = sum(example_units(e, normalization) for e in examples)
+    return DenseMicroBatch(tokens=tokens, labels=labels, coefficients=coefficients, units=units)
+
+
+def _dense(
+    examples: Sequence[Example], micro_batch_size: int, normalization: LossNormalization
+) -> StepBatch:
+    batches = tuple(
+        _dense_micro_batch(examples[i : i + micro_batch_size], normalization)
+        for i in range(0, len(examples), micro_batch_size)
+    )
+    return StepBatch(
+        micro_batches=batches,
+        num_examples=len(examples),
+        logical_tokens=sum(len(e) for e in examples),
+        executed_tokens=sum(b.num_tokens for b in batches),
+        loss_tokens=sum(e.num_targets for e in examples),
+        units=sum(b.units for b in batches),
+    )
+
+
+def build_step_batch(
+    examples: Sequence[Example],
+    *,
+    packing: bool,
+    capacity: int,
+    micro_batch_size: int,
+    normalization: LossNormalization,
+) -> StepBatch:
+    """Micro-batches of one step: planned rows of at most ``capacity`` tokens, or dense batches of
+    ``micro_batch_size`` examples."""
+    if packing:
+        return _packed(examples, capacity, normalization)
+    return _dense(examples, micro_batch_size, normalization)
+
+
+def empty_row() -> PackedRow:
+    """A one-token row with no loss edge: a micro-batch that contributes exactly nothing.
+
+    Used to give every step the same number of micro-batches under megatron.training; it still runs
+    forward and backward, so gradient hooks fire and collectives match across ranks.
+    """
+    layout = plan_shared_prefix([[0]], [[False]], capacity=1).rows[0]
+    return PackedRow(layout=layout, coefficients=np.zeros(0, dtype=np.float32), units=0)

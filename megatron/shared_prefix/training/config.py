@@ -1,0 +1,373 @@
+"""Validated training configuration, read once from the parsed command line.
+
+Each dataclass groups the settings of one concern and checks them in ``__post_init__``; every
+error is a ConfigError (a ValueError) naming the flag to change. :meth:`RunConfig.from_args` builds
+them all from Megatron's namespace before any data is read or any model is built, so a bad flag
+fails before any state changes. The model itself is configured by Megatron's ``TransformerConfig``
+(model.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from megatron.shared_prefix.training.data import Dataset, builtin_dataset, load_jsonl_dataset
+from megatron.shared_prefix.training.loss import LossNormalization
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "BatchConfig",
+    "ScheduleConfig",
+    "LoggingConfig",
+    "CheckpointConfig",
+    "RunConfig",
+    "LOOP_UNSUPPORTED",
+]
+
+
+class ConfigError(ValueError):
+    """A flag (or combination of flags) that cannot work; the message names the flag."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where examples come from.
+
+    Attributes:
+        data_paths: JSONL files (``--data-path``) consumed in order; empty: the built-in dataset.
+        vocab_size: tokenizer vocabulary (``--vocab-size``); every token id must be below it.
+        capacity: row capacity, the longest allowed sequence (``--shared-prefix-capacity``).
+        drop_overlong: drop and count longer sequences instead of failing.
+        seed: seed of the built-in dataset (``--seed``).
+    """
+
+    data_paths: tuple[str, ...]
+    vocab_size: int
+    capacity: int
+    drop_overlong: bool
+    seed: int
+
+    def __post_init__(self):
+        _require(self.vocab_size >= 1, f"--vocab-size must be >= 1, got {self.vocab_size}")
+        _require(self.capacity >= 1, f"--shared-prefix-capacity must be >= 1, got {self.capacity}")
+
+    def load(self) -> Dataset:
+        """The dataset, every record checked (a bad one raises DataError naming file and line)."""
+        if self.data_paths:
+            return load_jsonl_dataset(
+                self.data_paths,
+                vocab_size=self.vocab_size,
+                capacity=self.capacity,
+                drop_overlong=self.drop_overlong,
+            )
+        return builtin_dataset(seed=self.seed, vocab_size=self.vocab_size, capacity=self.capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    """How a global batch of examples becomes micro-batches.
+
+    Attributes:
+        global_batch_size: original examples per optimizer step (``--global-batch-size``).
+        micro_batch_size: dense: examples per micro-batch; packed under megatron.training: sets
+            the fixed number of rows per step, ``global / (micro x data-parallel)``
+            (``--micro-batch-size``).
+        packing: plan prefix forests (``--[no-]shared-prefix-packing``).
+        capacity: tokens per packed row (``--shared-prefix-capacity``).
+        normalization: loss normalization (``--shared-prefix-loss-normalization``).
+        data_parallel_size: data-parallel replicas sharing each global batch.
+    """
+
+    global_batch_size: int
+    micro_batch_size: int
+    packing: bool
+    capacity: int
+    normalization: LossNormalization
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        _require(
+            self.global_batch_size >= 1,
+            f"--global-batch-size must be >= 1, got {self.global_batch_size}",
+        )
+        _require(
+            self.micro_batch_size >= 1,
+            f"--micro-batch-size must be >= 1, got {self.micro_batch_size}",
+        )
+        _require(self.capacity >= 1, f"--shared-prefix-capacity must be >= 1, got {self.capacity}")
+        per_step = self.micro_batch_size * self.data_parallel_size
+        _require(
+            self.global_batch_size % per_step == 0,
+            f"--global-batch-size {self.global_batch_size} must be a multiple of "
+            f"--micro-batch-size {self.micro_batch_size} x data-parallel size "
+            f"{self.data_parallel_size}",
+        )
+
+    @property
+    def examples_per_rank(self) -> int:
+        """Examples of each global batch that one data-parallel rank trains on."""
+        return self.global_batch_size // self.data_parallel_size
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Megatron's fixed micro-batch count per step and rank: global / (micro x dp)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Optimizer and learning-rate schedule of the single-process loop (Megatron's flags).
+
+    Warmup, decay and weight-decay increments are counted in examples, as Megatron's
+    OptimizerParamScheduler counts samples: ``iterations x global batch size``.
+    """
+
+    train_iters: int
+    lr: float
+    min_lr: float
+    lr_warmup_init: float
+    lr_warmup_iters: int
+    lr_warmup_fraction: Optional[float]
+    lr_decay_iters: Optional[int]
+    lr_decay_style: str
+    lr_wsd_decay_iters: Optional[int]
+    lr_wsd_decay_style: str
+    weight_decay: float
+    start_weight_decay: float
+    end_weight_decay: float
+    weight_decay_incr_style: str
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+
+    def __post_init__(self):
+        _require(self.train_iters >= 1, f"--train-iters must be >= 1, got {self.train_iters}")
+        _require(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        _require(
+            0 <= self.min_lr <= self.lr, f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]"
+        )
+        _require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _require(
+            self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}"
+        )
+        decay_iters = self.lr_decay_iters or self.train_iters
+        _require(decay_iters >= 1, f"--lr-decay-iters must be >= 1, got {self.lr_decay_iters}")
+        _require(
+            self.lr_warmup_fraction is not None or self.lr_warmup_iters < decay_iters,
+            f"--lr-warmup-iters {self.lr_warmup_iters} must be below the decay length "
+            f"{decay_iters} (--lr-decay-iters, default --train-iters)",
+        )
+        _require(
+            self.lr_decay_style != "WSD" or self.lr_wsd_decay_iters is not None,
+            "--lr-decay-style WSD needs --lr-wsd-decay-iters",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Progress output: a log line every ``log_interval`` steps, JSONL and TensorBoard each step."""
+
+    log_interval: int
+    metrics_jsonl: Optional[str]
+    tensorboard_dir: Optional[str]
+
+    def __post_init__(self):
+        _require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of the single-process loop (megatron.training uses its own).
+
+    Attributes:
+        save: directory to save to (``--save``), or None.
+        load: directory to resume from (``--load``), or None.
+        save_interval: save every this many iterations (``--save-interval``, which Megatron requires
+            with ``--save``), and after the last iteration.
+        check_finite: stop at a non-finite loss or gradient norm
+            (``--[no-]check-for-nan-in-loss-and-grad``); saving always refuses non-finite state.
+    """
+
+    save: Optional[str]
+    load: Optional[str]
+    save_interval: Optional[int]
+    check_finite: bool
+
+    def __post_init__(self):
+        _require(
+            self.save_interval is None or self.save_interval >= 1,
+            f"--save-interval must be >= 1, got {self.save_interval}",
+        )
+
+
+# Megatron flags whose non-default values the single-process loop cannot honour -> the value needed.
+LOOP_UNSUPPORTED = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "fp16": False,
+    "bf16": False,
+    "optimizer": "adam",
+    "train_samples": None,
+    "lr_decay_samples": None,
+    "lr_warmup_samples": 0,
+    "lr_wsd_decay_samples": None,
+    "rampup_batch_size": None,
+    "decoupled_lr": None,
+    "use_distributed_optimizer": False,
+    "finetune": False,
+    "no_load_optim": None,
+    "no_load_rng": None,
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything the trainers read besides the model's TransformerConfig.
+
+    ``schedule`` is None under megatron.training, which builds its own optimizer and scheduler.
+    """
+
+    trainer: str
+    data: DataConfig
+    batch: BatchConfig
+    schedule: Optional[ScheduleConfig]
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, *, trainer: str, data_parallel_size: int = 1
+    ) -> "RunConfig":
+        """Build and validate the configuration of ``trainer`` ('megatron' or 'loop') from args.
+
+        Raises:
+            ConfigError: naming the flag to change.
+        """
+        _check_script_invariants(args, trainer)
+        capacity = (
+            args.shared_prefix_capacity
+            if args.shared_prefix_capacity is not None
+            else args.seq_length
+        )
+        _require(capacity is not None, "--shared-prefix-capacity (or --seq-length) is required")
+        return cls(
+            trainer=trainer,
+            data=DataConfig(
+                data_paths=tuple(args.data_path or ()),
+                vocab_size=args.vocab_size,
+                capacity=capacity,
+                drop_overlong=args.shared_prefix_drop_overlong,
+                seed=args.seed,
+            ),
+            batch=BatchConfig(
+                global_batch_size=args.global_batch_size,
+                micro_batch_size=args.micro_batch_size,
+                packing=args.shared_prefix_packing,
+                capacity=capacity,
+                normalization=LossNormalization(args.shared_prefix_loss_normalization),
+                data_parallel_size=data_parallel_size,
+            ),
+            schedule=(
+                ScheduleConfig(
+                    train_iters=args.train_iters,
+                    lr=args.lr,
+                    min_lr=args.min_lr,
+                    lr_warmup_init=args.lr_warmup_init,
+                    lr_warmup_iters=args.lr_warmup_iters,
+                    lr_warmup_fraction=args.lr_warmup_fraction,
+                    lr_decay_iters=args.lr_decay_iters,
+                    lr_decay_style=args.lr_decay_style,
+                    lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+                    lr_wsd_decay_style=args.lr_wsd_decay_style,
+                    weight_decay=args.weight_decay,
+                    start_weight_decay=args.start_weight_decay,
+                    end_weight_decay=args.end_weight_decay,
+                    weight_decay_incr_style=args.weight_decay_incr_style,
+                    adam_beta1=args.adam_beta1,
+                    adam_beta2=args.adam_beta2,
+                    adam_eps=args.adam_eps,
+                    clip_grad=args.clip_grad,
+                )
+                if trainer == "loop"
+                else None
+            ),
+            logging=LoggingConfig(
+                log_interval=args.log_interval,
+                metrics_jsonl=args.shared_prefix_metrics_jsonl or None,
+                tensorboard_dir=args.tensorboard_dir,
+            ),
+            checkpoint=CheckpointConfig(
+                save=args.save,
+                load=args.load,
+                save_interval=args.save_interval,
+                check_finite=args.check_for_nan_in_loss_and_grad,
+            ),
+        )
+
+
+def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
+    """Settings this script's data path and the forest forward rely on."""
+    _require(args.vocab_size is not None, "--vocab-size is required (records are pre-tokenized)")
+    _require(args.train_iters is not None or trainer == "megatron", "--train-iters is required")
+    _require(
+        args.dataloader_type == "external",
+        "--dataloader-type must be 'external' (rows come from this script)",
+    )
+    _require(
+        args.calculate_per_token_loss,
+        "--calculate-per-token-loss is required (the loss returns sum and units)",
+    )
+    _require(
+        not args.eval_iters,
+        f"--eval-iters {args.eval_iters}: validation data is not supported; use 0",
+    )
+    if args.shared_prefix_packing:
+        for name in ("attention_dropout", "hidden_dropout"):
+            _require(
+                getattr(args, name) == 0,
+                f"{_flag(name)} {getattr(args, name)}: must be 0 with --shared-prefix-packing "
+                "(sequences sharing a packed token would share its dropout mask)",
+            )
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        ):
+            _require(
+                getattr(args, name) == 1,
+                f"{_flag(name)} {getattr(args, name)}: shared-prefix packing supports only 1",
+            )
+    if trainer == "loop":
+        _require(
+            args.world_size == 1,
+            f"WORLD_SIZE={args.world_size}: the single-process loop runs one process "
+            "(launch with torchrun and --shared-prefix-trainer megatron)",
+        )
+        for name, needed in LOOP_UNSUPPORTED.items():
+            value = getattr(args, name)
+            _require(
+                value == needed,
+                f"{_flag(name)} {value}: not supported by the single-process loop "
+                "(train through megatron.training on CUDA: --shared-prefix-trainer megatron)",
+            )
+    else:
+        _require(
+            args.save is None or args.check_for_nan_in_loss_and_grad,
+            "--no-check-for-nan-in-loss-and-grad with --save would let megatron.training save "
+            "non-finite weights; keep the check on",
+        )

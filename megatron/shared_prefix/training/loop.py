@@ -1,0 +1,333 @@
+"""The single-process training loop: megatron.training's model, data and loss, without CUDA.
+
+pretrain_hybrid.py uses it where megatron.training cannot run (no CUDA), or when asked to with
+``--shared-prefix-trainer loop``. One iteration:
+
+1. take the next global batch of examples (``ExampleStream``, positioned by consumed examples);
+2. turn it into micro-batches: packed rows, or dense padded batches (``build_step_batch``);
+3. for each micro-batch: forward, ``sum(coefficients * losses) / step units``, backward (gradients
+   accumulate, so the summed gradient is the normalized loss's);
+4. clip, one optimizer step, one LR-scheduler increment of ``global batch size`` examples, one
+   metrics record; save a checkpoint at ``--save-interval``.
+
+Optimizer and schedule follow Megatron's flags: AdamW (Megatron's ``adam``) without weight decay on
+biases and norms, and megatron-core's OptimizerParamScheduler counted in examples.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from megatron.shared_prefix.training.arguments import parse_arguments
+from megatron.shared_prefix.training.batching import StepBatch, build_step_batch
+from megatron.shared_prefix.training.checkpointing import (
+    TrainingPosition,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron.shared_prefix.training.config import RunConfig, ScheduleConfig
+from megatron.shared_prefix.training.data import ExampleStream
+from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, open_tensorboard
+from megatron.shared_prefix.training.model import (
+    build_model,
+    forward_micro_batch,
+    transformer_config,
+    weighted_loss_sum,
+)
+
+__all__ = ["run", "train_step", "build_optimizer", "build_scheduler", "model_signature"]
+
+# Megatron flags that shape the network (stored in checkpoints and checked on load).
+_SIGNATURE_FLAGS = (
+    "hybrid_layer_pattern",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "mamba_state_dim",
+    "mamba_head_dim",
+    "mamba_num_groups",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "position_embedding_type",
+    "normalization",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "swiglu",
+)
+
+
+def model_signature(args) -> dict:
+    """Flag -> value for every flag that shapes the network."""
+    return {"--" + name.replace("_", "-"): getattr(args, name) for name in _SIGNATURE_FLAGS}
+
+
+def _init_single_process(device: torch.device, seed: int) -> None:
+    """A one-process torch.distributed world and megatron-core parallel state (TP = PP = 1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron.shared_prefix import enable_cpu
+
+    if device.type == "cpu":
+        enable_cpu()
+    if not dist.is_initialized():
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_optimizer(model: torch.nn.Module, schedule: ScheduleConfig) -> torch.optim.Optimizer:
+    """AdamW, weight decay on matrices only (``wd_mult`` 0 on biases and norms, as in Megatron)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+    groups = [
+        {"params": decay, "wd_mult": 1.0, "default_config": True},
+        {"params": no_decay, "wd_mult": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=schedule.lr,
+        betas=(schedule.adam_beta1, schedule.adam_beta2),
+        eps=schedule.adam_eps,
+        weight_decay=schedule.weight_decay,
+    )
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: ScheduleConfig, global_batch_size: int
+):
+    """megatron-core's OptimizerParamScheduler, counted in examples as Megatron counts samples."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = (schedule.lr_decay_iters or schedule.train_iters) * global_batch_size
+    if schedule.lr_warmup_fraction is not None:
+        warmup_steps = schedule.lr_warmup_fraction * decay_steps
+    else:
+        warmup_steps = schedule.lr_warmup_iters * global_batch_size
+    wsd_steps = None
+    if schedule.lr_wsd_decay_iters is not None:
+        wsd_steps = schedule.lr_wsd_decay_iters * global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=schedule.lr_warmup_init,
+        max_lr=schedule.lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=schedule.lr_decay_style,
+        start_wd=schedule.start_weight_decay,
+        end_wd=schedule.end_weight_decay,
+        wd_incr_steps=schedule.train_iters * global_batch_size,
+        wd_incr_style=schedule.weight_decay_incr_style,
+        wsd_decay_steps=wsd_steps,
+        lr_wsd_decay_style=schedule.lr_wsd_decay_style,
+    )
+
+
+def train_step(
+    model: torch.nn.Module, step: StepBatch, *, clip_grad: float, device: torch.device
+) -> tuple[float, float]:
+    """Forward and backward over every micro-batch of ``step``, then clip; no optimizer step.
+
+    Returns:
+        (loss, gradient norm before clipping). Gradients are left in ``.grad``.
+    """
+    divisor = max(step.units, 1)
+    loss = 0.0
+    for micro_batch in step.micro_batches:
+        contribution = (
+            weighted_loss_sum(forward_micro_batch(model, micro_batch, device), micro_batch)
+            / divisor
+        )
+        contribution.backward()
+        loss += float(contribution.detach())
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = clip_grad if clip_grad > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return loss, grad_norm
+
+
+def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMetrics]:
+    """Parse ``argv``, train with the single-process loop, return the metrics of every step run.
+
+    Everything that can be rejected (flags, data records, checkpoint signature) is checked before
+    the first optimizer step.
+    """
+    args = parse_arguments(argv)
+    config = RunConfig.from_args(args, trainer="loop")
+    dataset = config.data.load()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = torch.get_num_threads()
+    where = device.type
+    if device.type == "cpu":
+        # Small models gain nothing from splitting kernels across threads, and OpenMP threads that
+        # spin-wait for cores shared with other processes make steps several times slower.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+        where = (
+            f"cpu, {torch.get_num_threads()} thread(s) (OMP_NUM_THREADS sets it; "
+            "megatron.training needs CUDA)"
+        )
+    log(
+        f"[shared-prefix] trainer: single-process loop on {where}"
+        f" | packing: {'on' if config.batch.packing else 'off (dense)'}"
+        f" | loss normalization: {config.batch.normalization.value}"
+    )
+    log(f"[shared-prefix] data: {dataset.summary()}")
+    try:
+        trainer = _Trainer(args, config, device, log)
+        return trainer.train(ExampleStream(dataset, config.batch.global_batch_size))
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Trainer:
+    """Model, optimizer and scheduler of one run, and the loop over its global batches."""
+
+    def __init__(self, args, config: RunConfig, device: torch.device, log: Callable[[str], None]):
+        _init_single_process(device, args.seed)
+        torch.manual_seed(args.seed)
+        self.model = build_model(args, transformer_config(args, portable=True)).to(device)
+        self.optimizer = build_optimizer(self.model, config.schedule)
+        self.scheduler = build_scheduler(
+            self.optimizer, config.schedule, config.batch.global_batch_size
+        )
+        self.signature = model_signature(args)
+        self.config = config
+        self.device = device
+        self.log = log
+        log(
+            f"[shared-prefix] model: pattern {args.hybrid_layer_pattern}, hidden {args.hidden_size}"
+            f", {sum(p.numel() for p in self.model.parameters()):,} parameters | global batch "
+            f"{config.batch.global_batch_size} examples, row capacity {config.batch.capacity} "
+            "tokens"
+        )
+
+    def _resume(self) -> TrainingPosition:
+        """The position to start from: ``--load``'s latest checkpoint, or the beginning."""
+        directory = self.config.checkpoint.load
+        fresh = TrainingPosition(iteration=0, consumed_samples=0)
+        if not directory:
+            return fresh
+        loaded = load_checkpoint(
+            directory,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            signature=self.signature,
+        )
+        if loaded is None:
+            self.log(f"[shared-prefix] --load {directory}: no checkpoint, starting from scratch")
+            return fresh
+        self.log(f"[shared-prefix] resumed from {directory} at iteration {loaded.iteration}")
+        return loaded
+
+    def train(self, stream: ExampleStream) -> list[StepMetrics]:
+        """Run to ``--train-iters``; save at ``--save-interval`` and after the last step."""
+        position = self._resume()
+        logging = self.config.logging
+        writer = MetricsWriter(
+            log_interval=logging.log_interval,
+            jsonl_path=logging.metrics_jsonl,
+            append=position.iteration > 0,
+            tensorboard=open_tensorboard(logging.tensorboard_dir, self.log),
+            log=self.log,
+        )
+        history: list[StepMetrics] = []
+        start = time.perf_counter()
+        self.model.train()
+        try:
+            for iteration in range(position.iteration + 1, self.config.schedule.train_iters + 1):
+                step_start = time.perf_counter()
+                examples = stream.global_batch(position.consumed_samples)
+                step, loss, grad_norm = self._step(iteration, examples)
+                position = TrainingPosition(iteration, position.consumed_samples + len(examples))
+                now = time.perf_counter()
+                metrics = StepMetrics(
+                    iteration=iteration,
+                    train_iters=self.config.schedule.train_iters,
+                    consumed_samples=position.consumed_samples,
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    learning_rate=self.optimizer.param_groups[0]["lr"],
+                    logical_tokens=step.logical_tokens,
+                    executed_tokens=step.executed_tokens,
+                    loss_tokens=step.loss_tokens,
+                    micro_batches=len(step.micro_batches),
+                    step_time_s=now - step_start,
+                    elapsed_s=now - start,
+                )
+                writer.write(metrics)
+                history.append(metrics)
+                self._maybe_save(position, metrics)
+        finally:
+            writer.close()
+        return history
+
+    def _step(self, iteration: int, examples) -> tuple[StepBatch, float, float]:
+        """One optimizer step and scheduler increment on one global batch of examples.
+
+        Returns:
+            (the step's micro-batches, loss, gradient norm before clipping).
+        """
+        batch = self.config.batch
+        step = build_step_batch(
+            examples,
+            packing=batch.packing,
+            capacity=batch.capacity,
+            micro_batch_size=batch.micro_batch_size,
+            normalization=batch.normalization,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm = train_step(
+            self.model, step, clip_grad=self.config.schedule.clip_grad, device=self.device
+        )
+        if self.config.checkpoint.check_finite and not math.isfinite(loss + grad_norm):
+            raise FloatingPointError(
+                f"iteration {iteration}: lm loss {loss}, grad norm {grad_norm} is not finite; "
+                "stopped before the optimizer step (the last checkpoint, if any, is intact)"
+            )
+        self.optimizer.step()
+        self.scheduler.step(increment=batch.global_batch_size)
+        return step, loss, grad_norm
+
+    def _maybe_save(self, position: TrainingPosition, metrics: StepMetrics) -> None:
+        """Save at every ``--save-interval`` iterations and after the last one."""
+        checkpoint = self.config.checkpoint
+        last = position.iteration == metrics.train_iters
+        if not checkpoint.save or not (position.iteration % checkpoint.save_interval == 0 or last):
+            return
+        path = save_checkpoint(
+            checkpoint.save,
+            position,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            signature=self.signature,
+            loss=metrics.loss,
+            grad_norm=metrics.grad_norm,
+        )
+        self.log(f"[shared-prefix] saved checkpoint at iteration {position.iteration} to {path}")

@@ -1,0 +1,385 @@
+"""Training through ``megatron.training.pretrain``: providers, forward step and step metrics.
+
+How a global batch maps onto Megatron's schedule. Megatron runs a fixed number of micro-batches per
+step and rank, ``num_microbatches = global_batch_size / (micro_batch_size x data_parallel_size)``,
+and its schedule cannot take a count that changes from step to step. So:
+
+* each data-parallel rank takes its contiguous share of the global batch (``global / dp``
+  examples) and, with packing, plans it into rows of at most ``--shared-prefix-capacity`` tokens;
+* the rows are padded with empty rows (``batching.empty_row``: one token, no loss edge) to exactly
+  ``num_microbatches``; a share that needs more rows is an error naming the flags. With
+  ``--micro-batch-size 1`` (the default) that cannot happen, because every example fits a row; a
+  larger micro-batch size cuts the number of empty rows once the data's packing ratio is known.
+  An empty row costs one forward and backward of a single token per step, on every rank;
+* without packing, each micro-batch is ``--micro-batch-size`` examples, dense and right-padded;
+* every micro-batch's loss function returns ``(sum of coefficient x loss, units)``. With
+  ``--calculate-per-token-loss`` (set by this script) Megatron sums the units over micro-batches
+  and data-parallel ranks and divides the gradients by that total: the normalization of loss.py;
+* the scheduler increment per step is ``num_microbatches x micro x dp = global batch size``: one
+  optimizer step, one LR increment and one logged iteration per original global batch, and
+  ``consumed samples`` counts original examples (a resumed run starts at that example).
+
+Step metrics (tokens, saving, tokens/s) are gathered by a :class:`StepMeter` that the data iterator
+closes at each step boundary: it all-reduces the per-rank counts over the data-parallel group, and
+the last rank writes the log line, JSONL record and TensorBoard scalars next to Megatron's own line.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from megatron.shared_prefix.training.arguments import extra_args_provider
+from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
+from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
+from megatron.shared_prefix.training.data import Dataset, ExampleStream
+from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics
+from megatron.shared_prefix.training.model import (
+    build_model,
+    forward_micro_batch,
+    weighted_loss_sum,
+)
+
+__all__ = ["pad_rows", "RowIterator", "StepMeter", "MegatronSession", "pretrain_with_megatron"]
+
+
+def pad_rows(step: StepBatch, num_rows: int, batch: BatchConfig) -> StepBatch:
+    """``step`` with empty rows appended up to ``num_rows`` micro-batches.
+
+    Raises:
+        ConfigError: when the step already needs more rows than that.
+    """
+    rows = step.micro_batches
+    if len(rows) > num_rows:
+        raise ConfigError(
+            f"this rank's {step.num_examples} examples of the global batch pack into {len(rows)} "
+            f"rows of {batch.capacity} tokens, more than the {num_rows} micro-batches per step "
+            f"(--global-batch-size {batch.global_batch_size} / (--micro-batch-size "
+            f"{batch.micro_batch_size} x data-parallel size {batch.data_parallel_size})); raise "
+            "--shared-prefix-capacity or lower --micro-batch-size"
+        )
+    padding = tuple(empty_row() for _ in range(num_rows - len(rows)))
+    return StepBatch(
+        micro_batches=rows + padding,
+        num_examples=step.num_examples,
+        logical_tokens=step.logical_tokens,
+        executed_tokens=step.executed_tokens + sum(row.num_tokens for row in padding),
+        loss_tokens=step.loss_tokens,
+        units=step.units,
+    )
+
+
+class StepMeter:
+    """Collects one step's counts and loss on every rank; at the step's end, reduces and reports.
+
+    Args:
+        writer: where the last rank reports (None on the other ranks).
+        train_iters: planned steps (for the log line).
+        iteration: steps already done (resume).
+        consumed_samples: examples already consumed.
+        global_batch_size: examples per step.
+        learning_rate: callable returning the learning rate after a step's scheduler increment
+            (called once per step), or None.
+        group: the data-parallel process group (None: no reduction, one process).
+        device: device of the reduction buffer.
+    """
+
+    def __init__(
+        self,
+        *,
+        writer,
+        train_iters,
+        iteration,
+        consumed_samples,
+        global_batch_size,
+        learning_rate,
+        group,
+        device,
+    ):
+        self.writer = writer
+        self.train_iters = train_iters
+        self.iteration = iteration
+        self.consumed_samples = consumed_samples
+        self.global_batch_size = global_batch_size
+        self.learning_rate = learning_rate
+        self.group = group
+        self.device = device
+        self._start = time.perf_counter()
+        self._step: Optional[StepBatch] = None
+        self._step_start = 0.0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    def begin_step(self, step: StepBatch) -> None:
+        """Close the running step (if any) and start timing ``step``."""
+        self.finish()
+        self._step = step
+        self._step_start = time.perf_counter()
+        self._loss_sum.zero_()
+
+    def add_loss(self, loss_sum: torch.Tensor) -> None:
+        """Add a micro-batch's weighted loss sum (detached) to the running step."""
+        self._loss_sum += loss_sum.detach().to(self._loss_sum.device, torch.float64)
+
+    def finish(self) -> None:
+        """Reduce and report the running step, if any (at the next step's start and at the end)."""
+        if self._step is None:
+            return
+        step, self._step = self._step, None
+        totals = torch.stack(
+            [
+                self._loss_sum,
+                *(
+                    torch.tensor(float(v), dtype=torch.float64, device=self.device)
+                    for v in (
+                        step.units,
+                        step.logical_tokens,
+                        step.executed_tokens,
+                        step.loss_tokens,
+                        len(step.micro_batches),
+                    )
+                ),
+            ]
+        )
+        if self.group is not None:
+            torch.distributed.all_reduce(totals, group=self.group)
+        loss_sum, units, logical, executed, loss_tokens, micro_batches = totals.tolist()
+        self.iteration += 1
+        self.consumed_samples += self.global_batch_size
+        now = time.perf_counter()
+        learning_rate = self.learning_rate() if self.learning_rate is not None else None
+        if self.writer is not None:
+            self.writer.write(
+                StepMetrics(
+                    iteration=self.iteration,
+                    train_iters=self.train_iters,
+                    consumed_samples=self.consumed_samples,
+                    loss=loss_sum / max(units, 1.0),
+                    grad_norm=None,
+                    learning_rate=learning_rate,
+                    logical_tokens=int(logical),
+                    executed_tokens=int(executed),
+                    loss_tokens=int(loss_tokens),
+                    micro_batches=int(micro_batches),
+                    step_time_s=now - self._step_start,
+                    elapsed_s=now - self._start,
+                )
+            )
+
+
+class RowIterator:
+    """Yields exactly ``batch.micro_batches_per_step`` micro-batches per step of this rank's share.
+
+    Megatron calls ``next`` once per micro-batch, so step ``k``'s micro-batches are consumed before
+    step ``k + 1``'s first one is built; that first ``next`` also closes step ``k`` in the meter.
+    """
+
+    def __init__(
+        self,
+        stream: ExampleStream,
+        batch: BatchConfig,
+        *,
+        rank: int,
+        consumed_samples: int,
+        meter: StepMeter,
+    ):
+        self.stream = stream
+        self.batch = batch
+        self.rank = rank
+        self.consumed_samples = consumed_samples
+        self.meter = meter
+        self._pending: collections.deque = collections.deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self._pending:
+            self._pending.extend(self._next_step().micro_batches)
+        return self._pending.popleft()
+
+    def _next_step(self) -> StepBatch:
+        """This rank's micro-batches of the next global batch (padded to the fixed count)."""
+        share = self.batch.examples_per_rank
+        examples = self.stream.global_batch(self.consumed_samples)[
+            self.rank * share : (self.rank + 1) * share
+        ]
+        step = build_step_batch(
+            examples,
+            packing=self.batch.packing,
+            capacity=self.batch.capacity,
+            micro_batch_size=self.batch.micro_batch_size,
+            normalization=self.batch.normalization,
+        )
+        if self.batch.packing:
+            step = pad_rows(step, self.batch.micro_batches_per_step, self.batch)
+        self.consumed_samples += self.batch.global_batch_size
+        self.meter.begin_step(step)
+        return step
+
+
+class _LearningRateProbe:
+    """Stand-in optimizer of a second scheduler that Megatron builds from the same arguments, so
+    that the JSONL records carry the learning rate Megatron logs (its optimizer is not reachable
+    from the providers). It counts every step; only fp16 loss-scale overflows skip one."""
+
+    def __init__(self):
+        self.param_groups = [{"default_config": True}]
+
+
+class MegatronSession:
+    """The providers and forward step handed to ``megatron.training.pretrain``, sharing one config,
+    dataset and step meter.
+
+    Args:
+        config: validated run configuration.
+        dataset: the loaded examples (checked before pretrain starts).
+        device: device of the micro-batches' tensors (default: the current CUDA device, read when
+            first needed, after Megatron has set it).
+    """
+
+    def __init__(self, config: RunConfig, dataset: Dataset, device: Optional[torch.device] = None):
+        self.config = config
+        self.dataset = dataset
+        self._device = device
+        self.meter: Optional[StepMeter] = None
+
+    @property
+    def device(self) -> torch.device:
+        """Device of this rank's micro-batches."""
+        if self._device is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        return self._device
+
+    def model_provider(
+        self, pre_process=True, post_process=True, config=None, pg_collection=None, vp_stage=None
+    ):
+        """Megatron model provider: the SharedPrefixHybridModel of the command line."""
+        from megatron.training import get_args
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        args = get_args()
+        return build_model(
+            args,
+            config if config is not None else core_transformer_config_from_args(args),
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+
+    def datasets_provider(self, _num_samples):
+        """Megatron datasets provider: the row iterator for training, no validation or test data.
+
+        The iterator is endless (epochs repeat), so Megatron's sample counts are not needed.
+        """
+        from megatron.core import parallel_state
+        from megatron.training import get_args, get_tensorboard_writer
+        from megatron.training.training import get_optimizer_param_scheduler
+
+        args = get_args()
+        last_rank = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        probe = _LearningRateProbe()
+        shadow = get_optimizer_param_scheduler(probe)
+        shadow.step(increment=args.consumed_train_samples)
+
+        def learning_rate():
+            shadow.step(increment=self.config.batch.global_batch_size)
+            return probe.param_groups[0]["lr"]
+
+        writer = None
+        if last_rank:
+            writer = MetricsWriter(
+                log_interval=self.config.logging.log_interval,
+                jsonl_path=self.config.logging.metrics_jsonl,
+                append=args.iteration > 0,
+                tensorboard=get_tensorboard_writer(),
+            )
+        self.meter = StepMeter(
+            writer=writer,
+            train_iters=args.train_iters,
+            iteration=args.iteration,
+            consumed_samples=args.consumed_train_samples,
+            global_batch_size=self.config.batch.global_batch_size,
+            learning_rate=learning_rate,
+            group=parallel_state.get_data_parallel_group(),
+            device=self.device,
+        )
+        rows = RowIterator(
+            ExampleStream(self.dataset, self.config.batch.global_batch_size),
+            self.config.batch,
+            rank=parallel_state.get_data_parallel_rank(),
+            consumed_samples=args.consumed_train_samples,
+            meter=self.meter,
+        )
+        return rows, None, None
+
+    def forward_step(self, data_iterator, model):
+        """Megatron forward step: one micro-batch's per-target losses and its loss function."""
+        micro_batch = next(data_iterator)
+        losses = forward_micro_batch(model, micro_batch, self.device)
+        return losses, functools.partial(self.loss_func, micro_batch)
+
+    def loss_func(self, micro_batch, losses: torch.Tensor):
+        """(loss sum, units, {'lm loss': [sum, units]}), the ``--calculate-per-token-loss`` form."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        loss_sum = weighted_loss_sum(losses, micro_batch)
+        if self.config.checkpoint.check_finite:
+            machine = get_rerun_state_machine()
+            machine.validate_result(
+                result=loss_sum,
+                rejection_func=torch.isnan,
+                message="found NaN in local forward loss calculation",
+                tolerance=0.0,
+                fatal=True,
+            )
+            machine.validate_result(
+                result=loss_sum,
+                rejection_func=torch.isinf,
+                message="found Inf in local forward loss calculation",
+                tolerance=0.0,
+                fatal=True,
+            )
+        units = torch.tensor(micro_batch.units, dtype=torch.int, device=losses.device)
+        self.meter.add_loss(loss_sum)
+        report = torch.stack([loss_sum.detach().float(), units.float()])
+        return loss_sum, units, {"lm loss": report}
+
+
+def pretrain_with_megatron() -> None:
+    """Parse sys.argv with Megatron's parser and ours, check flags and data, run ``pretrain``."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.utils import print_rank_0
+
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider(sys.argv[1:]))
+    config = RunConfig.from_args(
+        args, trainer="megatron", data_parallel_size=args.data_parallel_size
+    )
+    dataset = config.data.load()
+    print_rank_0(
+        f"[shared-prefix] trainer: megatron.training.pretrain on {args.world_size} GPU(s) "
+        f"| packing: {'on' if config.batch.packing else 'off (dense)'} "
+        f"| loss normalization: {config.batch.normalization.value} "
+        f"| {config.batch.micro_batches_per_step} micro-batches per step and rank"
+    )
+    print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
+    session = MegatronSession(config, dataset)
+    pretrain(
+        pretrain_cfg_container_from_args(args),
+        session.datasets_provider,
+        ModelType.encoder_or_decoder,
+        session.forward_step,
+        model_provider=session.model_provider,
+    )
+    if session.meter is not None:
+        session.meter.finish()
+        if session.meter.writer is not None:
+            session.meter.writer.close()

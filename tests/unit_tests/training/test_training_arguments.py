@@ -1,0 +1,86 @@
+"""The command line: the tiny-model preset, Megatron's own flags, and the script's error exit."""
+
+import os
+import subprocess
+import sys
+
+from megatron.shared_prefix.training.arguments import (
+    DEFAULT_LAYER_PATTERN,
+    TINY_MODEL_PRESET,
+    parse_arguments,
+    uses_tiny_model,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+CUSTOM_MODEL = [
+    "--hybrid-layer-pattern",
+    "*-*-",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--vocab-size",
+    "64",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-3",
+]
+
+
+def test_no_model_flags_select_the_tiny_model():
+    assert uses_tiny_model([]) and uses_tiny_model(["--data-path", "x.jsonl", "--train-iters", "5"])
+    assert uses_tiny_model(["--hybrid-layer-pattern", "*-"])  # another layer mix, tiny sizes
+    assert not uses_tiny_model(["--hidden-size", "32"])
+    args = parse_arguments(["--train-iters", "5"])
+    assert args.hybrid_layer_pattern == DEFAULT_LAYER_PATTERN
+    assert args.num_layers == len(DEFAULT_LAYER_PATTERN)
+    assert args.hidden_size == TINY_MODEL_PRESET["hidden_size"] and args.train_iters == 5
+    assert args.attention_dropout == args.hidden_dropout == 0.0
+    assert args.calculate_per_token_loss and args.dataloader_type == "external"
+
+
+def test_model_flags_get_megatron_defaults():
+    args = parse_arguments(CUSTOM_MODEL)
+    assert args.num_layers == 4 and args.hidden_size == 32
+    assert args.ffn_hidden_size == 4 * 32  # Megatron's default, not the preset's
+    assert args.num_experts is None and args.lr_decay_style == "linear"
+    assert args.position_embedding_type == "learned_absolute"
+    assert args.attention_dropout == 0.0  # the script default still applies
+
+
+def test_custom_model_trains_with_megatron_flags(train):
+    history, lines = train(*CUSTOM_MODEL)
+    assert len(history) == 2
+    assert any("pattern *-*-, hidden 32" in line for line in lines)
+
+
+def test_script_reports_bad_input_and_exits_2(tmp_path):
+    env = dict(os.environ, TORCH_COMPILE_DISABLE="1", PYTHONPATH=REPO)
+    missing = str(tmp_path / "missing.jsonl")
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "pretrain_hybrid.py"),
+            "--shared-prefix-trainer",
+            "loop",
+            "--data-path",
+            missing,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert f"pretrain_hybrid.py: error: --data-path {missing}: no such file" in result.stderr

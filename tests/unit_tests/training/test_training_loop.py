@@ -1,0 +1,215 @@
+"""The single-process loop on CPU: learning, packed == dense, checkpoints, metrics, early errors."""
+
+import json
+import math
+import os
+
+import pytest
+
+from megatron.shared_prefix.training.checkpointing import (
+    NonFiniteStateError,
+    TrainingPosition,
+    save_checkpoint,
+)
+from megatron.shared_prefix.training.config import ConfigError
+from megatron.shared_prefix.training.data import DataError
+
+# Bookkeeping tests run attention + MoE only; learning and packed == dense use the default (M*-E).
+FAST = ("--hybrid-layer-pattern", "*-E")
+
+
+def relative_error(actual, expected):
+    return abs(actual - expected) / abs(expected)
+
+
+def test_short_run_lowers_the_loss(train):
+    history, lines = train(
+        "--train-iters", "24", "--global-batch-size", "16", "--log-interval", "8"
+    )
+    losses = [m.loss for m in history]
+    assert len(history) == 24
+    assert sum(losses[-4:]) / 4 < 0.9 * sum(losses[:4]) / 4
+    assert any("single-process loop on cpu" in line for line in lines)
+    assert sum(" iteration " in line for line in lines) == 4  # iterations 1, 8, 16, 24
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_packed_and_dense_first_step_agree(train, normalization):
+    flags = (
+        "--train-iters",
+        "1",
+        "--global-batch-size",
+        "12",
+        "--shared-prefix-loss-normalization",
+        normalization,
+    )
+    (packed,), _ = train(*flags, "--shared-prefix-packing")
+    (dense,), _ = train(*flags, "--no-shared-prefix-packing")
+    (padded,), _ = train(*flags, "--no-shared-prefix-packing", "--micro-batch-size", "4")
+    assert (
+        packed.executed_tokens
+        < dense.executed_tokens
+        == dense.logical_tokens
+        == packed.logical_tokens
+    )
+    assert padded.executed_tokens > dense.executed_tokens
+    assert packed.loss_tokens == dense.loss_tokens == padded.loss_tokens
+    for other in (packed, padded):
+        assert relative_error(other.loss, dense.loss) <= 1e-5
+        assert relative_error(other.grad_norm, dense.grad_norm) <= 1e-4
+
+
+def test_resume_continues_the_same_trajectory(train, tmp_path):
+    save = str(tmp_path / "ckpt")
+    full, _ = train(*FAST, "--train-iters", "4", "--save", save, "--save-interval", "2")
+    assert sorted(os.listdir(save)) == [
+        "iter_0000002",
+        "iter_0000004",
+        "latest_checkpointed_iteration.txt",
+    ]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as tracker:
+        tracker_text = tracker.read()
+    assert tracker_text == "4"
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as tracker:
+        tracker.write("2")
+    resumed, lines = train(*FAST, "--train-iters", "4", "--load", save)
+    assert any("resumed from" in line and "iteration 2" in line for line in lines)
+    assert [m.iteration for m in resumed] == [3, 4]
+    for before, after in zip(full[2:], resumed):
+        assert after.consumed_samples == before.consumed_samples
+        assert after.learning_rate == before.learning_rate
+        assert after.loss == pytest.approx(before.loss, rel=1e-6)
+        assert after.grad_norm == pytest.approx(before.grad_norm, rel=1e-5)
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 3, 4]  # resume appends
+
+
+def test_load_rejects_a_checkpoint_of_another_model(train, tmp_path):
+    save = str(tmp_path / "ckpt")
+    train(*FAST, "--train-iters", "1", "--save", save, "--save-interval", "1")
+    with pytest.raises(ConfigError, match="--untie-embeddings-and-output-weights"):
+        train(*FAST, "--train-iters", "2", "--load", save, "--untie-embeddings-and-output-weights")
+
+
+def test_metrics_jsonl_has_one_record_per_step(train, tmp_path):
+    history, _ = train(
+        *FAST, "--train-iters", "3", "--lr-decay-style", "linear", "--min-lr", "1e-4"
+    )
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert [r["consumed_samples"] for r in records] == [8, 16, 24]
+    for record, metrics in zip(records, history):
+        assert record["loss"] == metrics.loss
+        assert record["saving"] == pytest.approx(
+            record["logical_tokens"] / record["executed_tokens"]
+        )
+        assert record["logical_tokens_per_s"] > record["executed_tokens_per_s"] > 0
+        assert record["loss_tokens"] > 0 and record["micro_batches"] >= 1
+    assert records[-1]["learning_rate"] == pytest.approx(1e-4)  # linear decay ends at --min-lr
+
+
+def test_tensorboard_directory(train, tmp_path):
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        _, lines = train(*FAST, "--train-iters", "1", "--tensorboard-dir", str(tmp_path / "tb"))
+        assert any("tensorboard package is not installed" in line for line in lines)
+    else:
+        train(*FAST, "--train-iters", "1", "--tensorboard-dir", str(tmp_path / "tb"))
+        assert os.listdir(tmp_path / "tb")
+
+
+def test_non_finite_loss_stops_before_the_optimizer_step(train, tmp_path):
+    with pytest.raises(FloatingPointError, match="iteration 2: lm loss .* is not finite"):
+        train(
+            *FAST,
+            "--lr",
+            "1e30",
+            "--train-iters",
+            "3",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--save-interval",
+            "1",
+        )
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [
+        "iter_0000001",
+        "latest_checkpointed_iteration.txt",
+    ]
+
+
+def test_saving_refuses_non_finite_state(train, tmp_path):
+    with pytest.raises(NonFiniteStateError, match="refusing to save a checkpoint at iteration 2"):
+        train(
+            *FAST,
+            "--lr",
+            "1e30",
+            "--train-iters",
+            "2",
+            "--no-check-for-nan-in-loss-and-grad",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--save-interval",
+            "2",
+        )
+    assert not os.path.exists(tmp_path / "ckpt" / "iter_0000002")
+
+
+def test_save_checkpoint_checks_loss_and_gradient_norm(tmp_path):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for loss, grad_norm in ((math.nan, 1.0), (1.0, math.inf)):
+        with pytest.raises(NonFiniteStateError):
+            save_checkpoint(
+                str(tmp_path / "ckpt"),
+                TrainingPosition(1, 8),
+                model=model,
+                optimizer=optimizer,
+                scheduler=None,
+                signature={},
+                loss=loss,
+                grad_norm=grad_norm,
+            )
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_bad_data_fails_before_any_state_changes(train, tmp_path, write_jsonl):
+    path = write_jsonl([{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2, 300]}])
+    with pytest.raises(DataError, match=r"data.jsonl:2: input_ids has token id 300"):
+        train("--data-path", path, "--save", str(tmp_path / "ckpt"), "--save-interval", "1")
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ("--attention-dropout", "0.1"),
+            "--attention-dropout 0.1: must be 0 with --shared-prefix-packing",
+        ),
+        (("--bf16",), "--bf16 True: not supported by the single-process loop"),
+        (("--eval-iters", "5"), "--eval-iters 5: validation data is not supported"),
+        (("--vocab-size", "32"), "--vocab-size 32 is below"),
+        (("--shared-prefix-capacity", "0"), "--shared-prefix-capacity must be >= 1"),
+        (("--shared-prefix-capacity", "8"), "longer than the row capacity 8"),
+    ],
+)
+def test_bad_flags_are_named(train, tmp_path, flags, message):
+    with pytest.raises(ValueError) as error:
+        train(*flags)
+    assert message in str(error.value)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_jsonl_sft_and_rl_examples_train(train):
+    repo = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
+    for name in ("sft.jsonl", "rl.jsonl"):
+        history, lines = train(
+            *FAST, "--data-path", os.path.join(repo, "examples", name), "--train-iters", "2"
+        )
+        assert len(history) == 2 and all(math.isfinite(m.loss) for m in history)
+        assert any(f"examples/{name}" in line for line in lines)

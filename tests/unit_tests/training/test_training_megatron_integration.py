@@ -1,0 +1,191 @@
+"""The megatron.training glue on CPU: fixed micro-batch counts, per-token-loss reduction, metrics.
+
+Megatron's schedule is emulated as it uses the forward step with ``--calculate-per-token-loss``:
+every rank runs ``num_microbatches`` forward steps, backpropagates each returned loss sum, and the
+gradients are divided by the units summed over micro-batches and data-parallel ranks. Two ranks run
+one after the other on one model, so their gradients add up as the data-parallel all-reduce would.
+"""
+
+import json
+
+import pytest
+import torch
+
+from megatron.shared_prefix.training.arguments import parse_arguments
+from megatron.shared_prefix.training.batching import build_step_batch
+from megatron.shared_prefix.training.config import ConfigError, RunConfig
+from megatron.shared_prefix.training.data import ExampleStream
+from megatron.shared_prefix.training.loop import train_step
+from megatron.shared_prefix.training.megatron_integration import (
+    MegatronSession,
+    RowIterator,
+    StepMeter,
+    pad_rows,
+)
+from megatron.shared_prefix.training.metrics import MetricsWriter
+from megatron.shared_prefix.training.model import build_model, transformer_config
+
+CPU = torch.device("cpu")
+
+
+def setup(flags, data_parallel_size):
+    args = parse_arguments(
+        ["--global-batch-size", "8", "--no-check-for-nan-in-loss-and-grad", *flags]
+    )
+    config = RunConfig.from_args(args, trainer="megatron", data_parallel_size=data_parallel_size)
+    torch.manual_seed(0)
+    model = build_model(args, transformer_config(args, portable=True))
+    return config, config.data.load(), model
+
+
+def meter_for(writer=None):
+    return StepMeter(
+        writer=writer,
+        train_iters=1,
+        iteration=0,
+        consumed_samples=0,
+        global_batch_size=8,
+        learning_rate=None,
+        group=None,
+        device=CPU,
+    )
+
+
+@pytest.mark.parametrize("packing", ["--shared-prefix-packing", "--no-shared-prefix-packing"])
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_megatron_reduction_equals_the_loop(megatron_world, packing, normalization):
+    config, dataset, model = setup(
+        [packing, "--shared-prefix-loss-normalization", normalization], 2
+    )
+    num_micro_batches = config.batch.micro_batches_per_step
+    assert num_micro_batches == 4  # 8 examples / (micro-batch 1 x 2 ranks)
+
+    model.zero_grad()
+    loss_sum = units = 0.0
+    for rank in range(2):
+        session = MegatronSession(config, dataset, device=CPU)
+        session.meter = meter_for()
+        rows = RowIterator(
+            ExampleStream(dataset, 8),
+            config.batch,
+            rank=rank,
+            consumed_samples=0,
+            meter=session.meter,
+        )
+        for _ in range(num_micro_batches):
+            losses, loss_function = session.forward_step(rows, model)
+            micro_loss, micro_units, report = loss_function(losses)
+            micro_loss.backward()
+            assert report["lm loss"].tolist() == pytest.approx(
+                [micro_loss.item(), micro_units.item()]
+            )
+            loss_sum += micro_loss.item()
+            units += float(micro_units)
+        assert not rows._pending  # exactly num_micro_batches micro-batches per step
+    megatron_grads = [p.grad / units for p in model.parameters()]
+
+    model.zero_grad()
+    step = build_step_batch(
+        ExampleStream(dataset, 8).global_batch(0),
+        packing=config.batch.packing,
+        capacity=config.batch.capacity,
+        micro_batch_size=1,
+        normalization=config.batch.normalization,
+    )
+    loop_loss, _ = train_step(model, step, clip_grad=0.0, device=CPU)
+    assert loss_sum / units == pytest.approx(loop_loss, rel=1e-5)
+    for megatron_grad, param in zip(megatron_grads, model.parameters()):
+        torch.testing.assert_close(megatron_grad, param.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_rows_are_padded_to_the_micro_batch_count(megatron_world):
+    config, dataset, _ = setup([], 1)
+    rows = RowIterator(
+        ExampleStream(dataset, 8), config.batch, rank=0, consumed_samples=0, meter=meter_for()
+    )
+    step = rows._next_step()
+    assert len(step.micro_batches) == 8
+    empty = [row for row in step.micro_batches if len(row.layout.edge_source) == 0]
+    assert 0 < len(empty) < 8  # the 8 examples pack into fewer rows; the rest are empty rows
+    assert step.executed_tokens == sum(row.num_tokens for row in step.micro_batches)
+
+
+def test_too_many_rows_for_the_micro_batch_count_is_an_error(megatron_world):
+    config, dataset, _ = setup(
+        ["--global-batch-size", "16", "--micro-batch-size", "16", "--shared-prefix-capacity", "96"],
+        1,
+    )
+    assert config.batch.micro_batches_per_step == 1
+    step = build_step_batch(
+        ExampleStream(dataset, 16).global_batch(0),
+        packing=True,
+        capacity=96,
+        micro_batch_size=16,
+        normalization=config.batch.normalization,
+    )
+    assert len(step.micro_batches) > 1
+    with pytest.raises(
+        ConfigError, match=r"more than the 1 micro-batches per step .*--micro-batch-size 16"
+    ):
+        pad_rows(step, 1, config.batch)
+
+
+def test_step_meter_reports_each_step_once(megatron_world, tmp_path):
+    config, dataset, model = setup([], 1)
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(
+        log_interval=1, jsonl_path=str(path), append=False, log=lambda line: None
+    )
+    session = MegatronSession(config, dataset, device=CPU)
+    session.meter = StepMeter(
+        writer=writer,
+        train_iters=2,
+        iteration=0,
+        consumed_samples=0,
+        global_batch_size=8,
+        learning_rate=lambda: 1e-3,
+        group=None,
+        device=CPU,
+    )
+    rows = RowIterator(
+        ExampleStream(dataset, 8), config.batch, rank=0, consumed_samples=0, meter=session.meter
+    )
+    for _ in range(2 * config.batch.micro_batches_per_step):
+        losses, loss_function = session.forward_step(rows, model)
+        loss_function(losses)
+    session.meter.finish()
+    writer.close()
+    records = [json.loads(line) for line in open(path)]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert [r["consumed_samples"] for r in records] == [8, 16]
+    assert all(r["learning_rate"] == 1e-3 and r["loss"] > 0 for r in records)
+    assert all(r["executed_tokens"] < r["logical_tokens"] + r["micro_batches"] for r in records)
+
+
+def test_providers_under_megatron_global_args(megatron_world, tmp_path):
+    """The providers as pretrain calls them: model from Megatron's args, iterator, loss, meter."""
+    from megatron.training.global_vars import set_args
+
+    path = tmp_path / "metrics.jsonl"
+    args = parse_arguments(
+        ["--global-batch-size", "8", "--no-check-for-nan-in-loss-and-grad", "--log-interval", "1"]
+        + ["--shared-prefix-metrics-jsonl", str(path)]
+    )
+    args.iteration, args.consumed_train_samples = 0, 0  # set by pretrain's checkpoint loading
+    config = RunConfig.from_args(args, trainer="megatron", data_parallel_size=1)
+    session = MegatronSession(config, config.data.load(), device=CPU)
+    set_args(args)
+    try:
+        model = session.model_provider()
+        rows, valid, test = session.datasets_provider([24, 0, 0])
+        assert valid is None and test is None
+        for _ in range(2 * config.batch.micro_batches_per_step):
+            losses, loss_function = session.forward_step(rows, model)
+            loss_function(losses)[0].backward()
+        session.meter.finish()
+    finally:
+        set_args(None)
+    records = [json.loads(line) for line in open(path)]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert [r["micro_batches"] for r in records] == [8, 8]  # padded to 8 / (1 x 1)
+    assert records[0]["learning_rate"] == pytest.approx(3e-4)  # warmup step 1 of 10 to 3e-3
