@@ -351,6 +351,32 @@ class MegatronSession:
         return loss_sum, units, {"lm loss": report}
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """Let megatron.training's start-up ``make`` succeed on a megatron-core wheel.
+
+    ``initialize_megatron`` always runs ``make -C megatron/core/datasets`` to build the C++ dataset
+    helpers. The megatron-core 0.19.2 wheel ships them prebuilt (``helpers_cpp``) but not the
+    Makefile, so that ``make`` fails and training exits. When the prebuilt module imports and the
+    Makefile is absent, GNU make's ``MAKEFILES`` variable points the call at a makefile whose only
+    goal does nothing; megatron-core's files are not touched. A source checkout (Makefile present)
+    is left to build as usual.
+    """
+    import importlib.util
+    import os
+    import tempfile
+
+    import megatron.core.datasets as datasets
+
+    if os.path.exists(os.path.join(os.path.dirname(datasets.__file__), "Makefile")):
+        return
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return
+    path = os.path.join(tempfile.gettempdir(), "megatron_shared_prefix_prebuilt_helpers.mk")
+    with open(path, "w", encoding="utf-8") as makefile:
+        makefile.write(".DEFAULT_GOAL := prebuilt\nprebuilt: ;\n")
+    os.environ["MAKEFILES"] = path
+
+
 def pretrain_with_megatron() -> None:
     """Parse sys.argv with Megatron's parser and ours, check flags and data, run ``pretrain``."""
     from megatron.core.enums import ModelType
@@ -372,6 +398,7 @@ def pretrain_with_megatron() -> None:
     )
     print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
     session = MegatronSession(config, dataset)
+    _use_prebuilt_dataset_helpers()
     pretrain(
         pretrain_cfg_container_from_args(args),
         session.datasets_provider,

@@ -189,3 +189,24 @@ def test_providers_under_megatron_global_args(megatron_world, tmp_path):
     assert [r["iteration"] for r in records] == [1, 2]
     assert [r["micro_batches"] for r in records] == [8, 8]  # padded to 8 / (1 x 1)
     assert records[0]["learning_rate"] == pytest.approx(3e-4)  # warmup step 1 of 10 to 3e-3
+
+
+def test_megatron_start_up_make_succeeds_on_the_wheel(monkeypatch):
+    """initialize_megatron's `make -C megatron/core/datasets` passes with the prebuilt helpers."""
+    import importlib.util
+    import os
+
+    import megatron.core.datasets as datasets
+    from megatron.core.datasets.utils import compile_helpers
+
+    from megatron.shared_prefix.training.megatron_integration import _use_prebuilt_dataset_helpers
+
+    has_makefile = os.path.exists(os.path.join(os.path.dirname(datasets.__file__), "Makefile"))
+    if has_makefile or importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        pytest.skip("megatron-core here is a source checkout or has no prebuilt helpers")
+    monkeypatch.setenv("MAKEFILES", "")  # recorded first, so the test leaves the variable as it was
+    monkeypatch.delenv("MAKEFILES")
+    with pytest.raises(SystemExit):
+        compile_helpers()
+    _use_prebuilt_dataset_helpers()
+    compile_helpers()
