@@ -14,6 +14,18 @@ from megatron.shared_prefix.tensors import current_forest
 TREE_ATTENTION_BACKENDS = ("auto", "torch", "flex")
 
 
+def use_flex_attention(tree_backend: str, is_cuda: bool, num_tokens: int) -> bool:
+    """Whether a row runs on FlexAttention: "flex", or "auto" on CUDA for rows of at least one tile.
+
+    FlexAttention works in tiles of ``flex_backend.BLOCK_SIZE`` tokens; a row shorter than one tile
+    (e.g. a one-token filler row) costs the torch backend at most one tile of scores, and would cost
+    FlexAttention a compile of its own (Dynamo specializes sizes 0 and 1).
+    """
+    if tree_backend == "auto":
+        return is_cuda and num_tokens >= flex_backend.BLOCK_SIZE
+    return tree_backend == "flex"
+
+
 class TreeDotProductAttention(DotProductAttention):
     """DotProductAttention that attends over each token's root path inside a forest.
 
@@ -23,7 +35,7 @@ class TreeDotProductAttention(DotProductAttention):
 
     Args:
         tree_backend: "flex" (FlexAttention, CUDA), "torch" (runs everywhere; the oracle), or
-            "auto": flex for CUDA tensors, torch otherwise.
+            "auto": flex for CUDA rows of at least one FlexAttention tile, torch otherwise.
         Everything else is DotProductAttention's.
     """
 
@@ -65,6 +77,6 @@ class TreeDotProductAttention(DotProductAttention):
         scale = self.softmax_scale
         if self.config.apply_query_key_layer_scaling:
             scale *= self.layer_number
-        use_flex = self.tree_backend == "flex" or (self.tree_backend == "auto" and query.is_cuda)
+        use_flex = use_flex_attention(self.tree_backend, query.is_cuda, forest.num_tokens)
         backend = flex_backend if use_flex else torch_backend
         return backend.tree_attention(query, key, value, forest, softmax_scale=scale)

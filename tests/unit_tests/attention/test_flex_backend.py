@@ -89,3 +89,14 @@ def test_new_row_lengths_do_not_recompile(forest_sequences):
             graphs_after_two = counters["stats"]["unique_graphs"]
     assert len(set(lengths)) == 4
     assert counters["stats"]["unique_graphs"] == graphs_after_two
+
+
+def test_auto_backend_uses_flex_for_cuda_rows_of_a_tile_or_more():
+    from megatron.shared_prefix.attention.dot_product_attention import use_flex_attention
+
+    tile = flex_backend.BLOCK_SIZE
+    assert use_flex_attention("auto", True, tile)
+    assert not use_flex_attention("auto", True, tile - 1)
+    assert not use_flex_attention("auto", True, 1)
+    assert not use_flex_attention("auto", False, 10 * tile)
+    assert use_flex_attention("flex", True, 1) and not use_flex_attention("torch", True, 10 * tile)
