@@ -5,7 +5,9 @@ For each forest it times, in one process on one GPU:
 * dense: ``scaled_dot_product_attention(is_causal=True)`` over the batch of expanded sequences
   (every leaf sequence, all of the same length, as [G, H, L, D]);
 * tree: our FlexAttention path with the block mask built from the forest (flex_backend);
-* flex-stock: FlexAttention with the same mask_mod but the block mask from ``create_block_mask``;
+* flex-stock: FlexAttention with the same mask_mod but the block mask from ``create_block_mask``,
+  called from the same [T, 1, H, D] layout as megatron-core's core attention (so both rows include
+  the layout conversion a Megatron layer needs);
 * ideal: the attention-pair ratio (query-key pairs of the dense batch / of the tree) and the token
   ratio (dense tokens / tree tokens), the speedups an exact implementation could reach.
 
@@ -14,13 +16,12 @@ Usage (writes the table into docs/benchmarks.md when --write is given):
 """
 
 import argparse
-import statistics
 import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from benchmark_report import write_section  # tools/ is on sys.path when run as a script
+from benchmark_report import cuda_time_ms, write_section  # tools/ is on sys.path as a script
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron.shared_prefix.attention import flex_backend
@@ -46,21 +47,6 @@ def agent_tree(prompt: int, turn: int, calls: int, branches: int, seed: int = 0)
         first = np.concatenate([root, rng.integers(1, 30000, turn)])
         sequences += [np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)]
     return sequences
-
-
-def cuda_time_ms(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def forward_backward(attend, *inputs):
@@ -110,11 +96,12 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
         device="cuda",
     )
     compiled = torch.compile(flex_attention, dynamic=True)
-    flex_qkv = [make(1, heads, layout.num_tokens, head_dim) for _ in range(3)]
-    stock = cuda_time_ms(
-        forward_backward(lambda q, k, v: compiled(q, k, v, block_mask=stock_mask, scale=scale), *flex_qkv),
-        repeats,
-    )
+
+    def stock_attention(q, k, v):
+        out = compiled(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), block_mask=stock_mask, scale=scale)
+        return out.permute(2, 0, 1, 3).reshape(layout.num_tokens, 1, heads * head_dim)
+
+    stock = cuda_time_ms(forward_backward(stock_attention, *tree_qkv), repeats)
     return {
         "forest": name,
         "tokens dense/tree": f"{len(sequences) * length}/{real}",
