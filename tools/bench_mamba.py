@@ -25,6 +25,7 @@ its unfused path (F.conv1d + mamba_ssm's chunk scan) otherwise; the table says w
 Usage (writes the table into docs/benchmarks.md when --write is given):
     python tools/bench_mamba.py [--hidden 2048] [--repeats 10] [--write docs/benchmarks.md]
     python tools/bench_mamba.py --check [--device cpu]   # tiny run: all variants agree, then exit
+    python tools/bench_mamba.py --profile                # top CUDA kernels: tree vs same-token varlen
 """
 
 import argparse
@@ -458,6 +459,24 @@ def check(args):
     assert all(error < tolerance for error in errors.values()), errors
 
 
+def profile(mixer):
+    """torch.profiler tables of one forward+backward: the P=4096 star's tree vs its same-token varlen."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    runs, _, _ = variants(mixer, star(4096, [1024] * 16), torch.bfloat16, "cuda")
+    for key in ("tree", "varlen, tree tokens"):
+        run = runs[key][0]
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        print(f"===== {key}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -473,6 +492,11 @@ def main():
         "--check", action="store_true", help="tiny correctness run of every variant, then exit"
     )
     parser.add_argument("--write", help="markdown file whose section to replace with the results")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print torch.profiler's top CUDA kernels of the tree and the same-token varlen run",
+    )
     args = parser.parse_args()
     init_megatron(args.device)
     if args.check:
@@ -484,6 +508,9 @@ def main():
             "the benchmark needs a CUDA device (use --check for a CPU correctness run)"
         )
     mixer = build_mixer(args, torch.bfloat16)
+    if args.profile:
+        profile(mixer)
+        return
     skewed = [int(round(64 * 32 ** (i / 15))) for i in range(16)]  # 64 .. 2048, geometric
     forests = [
         ("star P=4096 C=1024 G=16", star(4096, [1024] * 16)),

@@ -21,7 +21,7 @@ import weakref
 import numpy as np
 import torch
 
-from megatron.shared_prefix.tensors import ForestTensors
+from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens
 
 
 def weighted_expert_counts(routing_map: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -119,8 +119,8 @@ class ForestRoutingTables:
         ``values`` is [T, ...] int64; the result is exact.
         """
         zero = values.new_zeros((1,) + values.shape[1:])
-        inclusive = torch.cumsum(values, dim=0)
-        closed = torch.cat([zero, torch.cumsum(values[self.token_prefix_order], dim=0)])
+        inclusive = cumsum_over_tokens(values)
+        closed = torch.cat([zero, cumsum_over_tokens(values[self.token_prefix_order])])
         return inclusive - closed[self.token_closed_before]
 
     def sequence_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ class ForestRoutingTables:
     def sum_over_sequences_through(self, per_sequence: torch.Tensor) -> torch.Tensor:
         """[T, ...] sum of ``per_sequence`` ([n, ...] int64) over the sequences through each token."""
         zero = per_sequence.new_zeros((1,) + per_sequence.shape[1:])
-        prefix = torch.cat([zero, torch.cumsum(per_sequence[self.sequence_order], dim=0)])
+        prefix = torch.cat([zero, cumsum_over_tokens(per_sequence[self.sequence_order])])
         return prefix[self.sequence_stop] - prefix[self.sequence_start]
 
 

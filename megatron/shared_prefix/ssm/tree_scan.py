@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.shared_prefix.ssm import torch_ssd
-from megatron.shared_prefix.tensors import ForestTensors
+from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens
 
 # Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
 # pylint: disable=invalid-name
@@ -195,7 +195,9 @@ def _per_token(values: torch.Tensor, plan: TreeScanPlan, length: int) -> torch.T
     """
     steps = torch.diff(values, dim=0, prepend=values.new_zeros(1, values.shape[1]))
     return (
-        values.new_zeros(length, values.shape[1]).index_put((plan.segment_first,), steps).cumsum(0)
+        cumsum_over_tokens(
+            values.new_zeros(length, values.shape[1]).index_put((plan.segment_first,), steps)
+        )
     )
 
 
@@ -282,7 +284,7 @@ def tree_ssd_scan(
     # cancellation), then the compute dtype. cum[t] = sum over t's segment up to t; to_end[t] = sum
     # over (t, end of t's segment] (<= 0).
     log_decay = dt[0].double() * A.double()  # [T, h]
-    prefix = log_decay.cumsum(0)
+    prefix = cumsum_over_tokens(log_decay)
     before_segment = F.pad(prefix, (0, 0, 1, 0))[
         plan.segment_first
     ]  # [S, h] sum before the segment

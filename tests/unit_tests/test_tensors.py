@@ -1,0 +1,51 @@
+"""ForestTensors: derived tables against the layout, and the token-dimension scan."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.shared_prefix.attention.reference import tree_attention_allow_mask
+from megatron.shared_prefix.planning import plan_shared_prefix
+from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, current_forest, forest_scope
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+@pytest.mark.parametrize("shape", [(7,), (7, 3), (7, 2, 5)])
+def test_cumsum_over_tokens_is_cumsum_along_dim_0(dtype, shape):
+    values = torch.randn(shape, dtype=torch.float64).mul(100).to(dtype)
+    assert torch.equal(cumsum_over_tokens(values), torch.cumsum(values, dim=0))
+
+
+def test_cumsum_over_tokens_gradient():
+    values = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(cumsum_over_tokens, (values,))
+
+
+def test_subtree_end_is_the_tree_mask(forest_sequences):
+    layout = plan_shared_prefix(forest_sequences(seed=11, depth=4), capacity=512, pad_multiple=8).rows[0]
+    forest = ForestTensors.from_layout(layout, "cpu")
+    end = forest.token_subtree_end.numpy()
+    q, k = np.indices((layout.num_tokens, layout.num_tokens))
+    np.testing.assert_array_equal((k <= q) & (q < end[k]), tree_attention_allow_mask(layout))
+
+
+def test_root_path_predecessors_follow_the_root_path(forest_sequences):
+    layout = plan_shared_prefix(forest_sequences(seed=12, depth=3), capacity=512).rows[0]
+    table = ForestTensors.from_layout(layout, "cpu").root_path_predecessors(3).numpy()
+    for k in range(len(layout.sequence_ids)):
+        path = layout.root_path(k)
+        for step, token in enumerate(path):
+            expected = [path[step - j] if step - j >= 0 else -1 for j in (1, 2, 3)]
+            assert table[token].tolist() == expected
+
+
+def test_scope_nests_and_restores():
+    outer, inner = object(), object()
+    assert current_forest() is None
+    with forest_scope(outer):
+        with forest_scope(inner):
+            assert current_forest() is inner
+        with forest_scope(None):
+            assert current_forest() is None
+        assert current_forest() is outer
+    assert current_forest() is None
