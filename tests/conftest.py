@@ -50,7 +50,9 @@ def megatron_world():
     yield
 
 
-def random_forest_sequences(rng, *, depth, vocab_size=64, max_children=3, max_segment=9, prefix_ends=True):
+def random_forest_sequences(
+    rng, *, depth, vocab_size=64, max_children=3, max_segment=9, prefix_ends=True
+):
     """Token sequences whose trie is a random forest of the given depth.
 
     Segment lengths are drawn skewed (many 1-token segments, a few long ones); each leaf path is a
@@ -89,4 +91,6 @@ def forest_sequences():
     """``forest_sequences(seed, depth, **kw)`` -> random sequences whose trie has that depth."""
     import numpy as np
 
-    return lambda seed, depth, **kw: random_forest_sequences(np.random.default_rng(seed), depth=depth, **kw)
+    return lambda seed, depth, **kw: random_forest_sequences(
+        np.random.default_rng(seed), depth=depth, **kw
+    )

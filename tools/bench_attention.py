@@ -45,7 +45,9 @@ def agent_tree(prompt: int, turn: int, calls: int, branches: int, seed: int = 0)
     sequences = []
     for _ in range(calls):
         first = np.concatenate([root, rng.integers(1, 30000, turn)])
-        sequences += [np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)]
+        sequences += [
+            np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)
+        ]
     return sequences
 
 
@@ -77,13 +79,16 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
 
     dense_qkv = [make(len(sequences), heads, length, head_dim) for _ in range(3)]
     dense = cuda_time_ms(
-        forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *dense_qkv),
+        forward_backward(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *dense_qkv
+        ),
         repeats,
     )
     tree_qkv = [make(layout.num_tokens, 1, heads, head_dim) for _ in range(3)]
     tree = cuda_time_ms(
         forward_backward(
-            lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale), *tree_qkv
+            lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
+            *tree_qkv,
         ),
         repeats,
     )
@@ -98,7 +103,9 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
     compiled = torch.compile(flex_attention, dynamic=True)
 
     def stock_attention(q, k, v):
-        out = compiled(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), block_mask=stock_mask, scale=scale)
+        out = compiled(
+            *(t.permute(1, 2, 0, 3) for t in (q, k, v)), block_mask=stock_mask, scale=scale
+        )
         return out.permute(2, 0, 1, 3).reshape(layout.num_tokens, 1, heads * head_dim)
 
     stock = cuda_time_ms(forward_backward(stock_attention, *tree_qkv), repeats)
@@ -119,7 +126,14 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
 def markdown(rows, command):
     """The benchmark section: command, then one table row per forest."""
     columns = list(rows[0])
-    lines = [f"## {SECTION}", "", f"Command: `{command}`", "", f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward.", ""]
+    lines = [
+        f"## {SECTION}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward.",
+        "",
+    ]
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:
@@ -129,7 +143,9 @@ def markdown(rows, command):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)

@@ -145,7 +145,9 @@ class ForestTensors:
         query of the block may attend. Attention over these keys with the tree mask costs
         O(block_size * K_b) memory instead of O(T * T).
         """
-        return self.derive(("attention_key_blocks", block_size), lambda: self._key_blocks(block_size))
+        return self.derive(
+            ("attention_key_blocks", block_size), lambda: self._key_blocks(block_size)
+        )
 
     def _key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
         subtree_end = self.token_subtree_end.cpu().numpy()
@@ -171,7 +173,9 @@ class ForestTensors:
         parents = layout.segment_parents
         parent_last = np.where(
             parents >= 0,
-            layout.segment_starts[np.maximum(parents, 0)] + layout.segment_lengths[np.maximum(parents, 0)] - 1,
+            layout.segment_starts[np.maximum(parents, 0)]
+            + layout.segment_lengths[np.maximum(parents, 0)]
+            - 1,
             -1,
         )
         predecessor[first_tokens] = parent_last

@@ -12,7 +12,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_python(code):
     env = dict(os.environ, PYTHONPATH=REPO, TORCH_COMPILE_DISABLE="1")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU adaptations")
@@ -26,7 +28,9 @@ def test_enable_cpu_is_idempotent(megatron_world):
     assert enable_cpu() is True
     assert (torch.cuda.current_device, fused_softmax.get_default_causal_mask) == patched
     assert torch.cuda.current_device() == "cpu"
-    assert torch.equal(fused_softmax.get_default_causal_mask(3), torch.ones(3, 3, dtype=torch.bool).triu(1))
+    assert torch.equal(
+        fused_softmax.get_default_causal_mask(3), torch.ones(3, 3, dtype=torch.bool).triu(1)
+    )
 
 
 @pytest.mark.gpu

@@ -19,7 +19,18 @@ def test_namespace_package_has_no_init():
 
 def test_built_wheel_imports_next_to_megatron_core(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), REPO],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            REPO,
+        ],
         check=True,
         capture_output=True,
     )
@@ -30,14 +41,29 @@ def test_built_wheel_imports_next_to_megatron_core(tmp_path):
     assert "megatron/__init__.py" not in names
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
     )
     # Run outside the repository so that only the installed wheel can provide megatron.shared_prefix.
     env = dict(os.environ, PYTHONPATH=str(target), TORCH_COMPILE_DISABLE="1")
     result = subprocess.run(
-        [sys.executable, "-c", IMPORT_BOTH], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", IMPORT_BOTH],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith(str(target))
@@ -48,7 +74,12 @@ def test_editable_install_imports_next_to_megatron_core(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TORCH_COMPILE_DISABLE"] = "1"
     result = subprocess.run(
-        [sys.executable, "-c", IMPORT_BOTH], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", IMPORT_BOTH],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith(os.path.join(REPO, "megatron"))

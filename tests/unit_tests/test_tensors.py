@@ -6,7 +6,12 @@ import torch
 
 from megatron.shared_prefix.attention.reference import tree_attention_allow_mask
 from megatron.shared_prefix.planning import plan_shared_prefix
-from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, current_forest, forest_scope
+from megatron.shared_prefix.tensors import (
+    ForestTensors,
+    cumsum_over_tokens,
+    current_forest,
+    forest_scope,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
@@ -22,7 +27,9 @@ def test_cumsum_over_tokens_gradient():
 
 
 def test_subtree_end_is_the_tree_mask(forest_sequences):
-    layout = plan_shared_prefix(forest_sequences(seed=11, depth=4), capacity=512, pad_multiple=8).rows[0]
+    layout = plan_shared_prefix(
+        forest_sequences(seed=11, depth=4), capacity=512, pad_multiple=8
+    ).rows[0]
     forest = ForestTensors.from_layout(layout, "cpu")
     end = forest.token_subtree_end.numpy()
     q, k = np.indices((layout.num_tokens, layout.num_tokens))

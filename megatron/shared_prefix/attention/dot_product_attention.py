@@ -41,7 +41,9 @@ class TreeDotProductAttention(DotProductAttention):
 
     def __init__(self, *args, tree_backend: str = "auto", **kwargs):
         if tree_backend not in TREE_ATTENTION_BACKENDS:
-            raise ValueError(f"tree_backend must be one of {TREE_ATTENTION_BACKENDS}, got {tree_backend!r}")
+            raise ValueError(
+                f"tree_backend must be one of {TREE_ATTENTION_BACKENDS}, got {tree_backend!r}"
+            )
         super().__init__(*args, **kwargs)
         self.tree_backend = tree_backend
 
@@ -67,7 +69,11 @@ class TreeDotProductAttention(DotProductAttention):
                 packed_seq_params=packed_seq_params,
             )
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+        if (
+            attention_mask is not None
+            or attention_bias is not None
+            or packed_seq_params is not None
+        ):
             raise ValueError(
                 "tree attention takes its mask from the forest: attention_mask, attention_bias and "
                 "packed_seq_params must be None"

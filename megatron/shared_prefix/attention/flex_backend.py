@@ -109,5 +109,7 @@ def tree_attention(
     attend = _flex_attention() if compiled else flex_attention
     # [T, 1, H, D] -> [1, H, T, D]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    out = attend(q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=key.shape[2] != num_heads)
+    out = attend(
+        q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=key.shape[2] != num_heads
+    )
     return out.permute(2, 0, 1, 3).reshape(num_tokens, 1, num_heads * head_dim)

@@ -49,4 +49,3 @@ def expand_row(layout: ForestLayout) -> dict[int, tuple[np.ndarray, np.ndarray]]
         path = layout.root_path(k)
         expanded[int(sequence)] = (layout.tokens[path], layout.position_ids[path])
     return expanded
-

@@ -51,7 +51,9 @@ def tree_attention(
         start = block * block_size
         end = min(start + block_size, num_tokens)
         positions = torch.arange(start, end, device=q.device)
-        allowed = (keys[None, :] <= positions[:, None]) & (positions[:, None] < subtree_end[keys][None, :])
+        allowed = (keys[None, :] <= positions[:, None]) & (
+            positions[:, None] < subtree_end[keys][None, :]
+        )
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k[keys]) * softmax_scale
         scores = scores.float().masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)

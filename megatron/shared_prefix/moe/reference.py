@@ -11,7 +11,6 @@ import dataclasses
 from typing import Optional
 
 import torch
-
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 
 from megatron.shared_prefix.layout import ForestLayout

@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import (

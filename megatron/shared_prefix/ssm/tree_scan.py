@@ -194,10 +194,8 @@ def _per_token(values: torch.Tensor, plan: TreeScanPlan, length: int) -> torch.T
     indices. Rounding: float64 sums of at most S steps, far below float32 resolution.
     """
     steps = torch.diff(values, dim=0, prepend=values.new_zeros(1, values.shape[1]))
-    return (
-        cumsum_over_tokens(
-            values.new_zeros(length, values.shape[1]).index_put((plan.segment_first,), steps)
-        )
+    return cumsum_over_tokens(
+        values.new_zeros(length, values.shape[1]).index_put((plan.segment_first,), steps)
     )
 
 

@@ -26,7 +26,9 @@ def block_truth(allow, block):
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("block", [4, 16])
 def test_block_mask_matches_dense_mask(forest_sequences, depth, block):
-    layout = plan_shared_prefix(forest_sequences(seed=depth, depth=depth, max_segment=20), capacity=1024).rows[0]
+    layout = plan_shared_prefix(
+        forest_sequences(seed=depth, depth=depth, max_segment=20), capacity=1024
+    ).rows[0]
     forest = ForestTensors.from_layout(layout, "cpu")
     mask = flex_backend.tree_block_mask(forest, block_size=block)
     dense = mask.to_dense()[0, 0].numpy().astype(bool)
@@ -46,7 +48,14 @@ def test_block_mask_matches_dense_mask(forest_sequences, depth, block):
 def _random_qkv(num_tokens, dtype, seed, heads=8, groups=2, head_dim=64):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     make = lambda h: torch.randn(  # noqa: E731
-        num_tokens, 1, h, head_dim, generator=generator, device="cuda", dtype=dtype, requires_grad=True
+        num_tokens,
+        1,
+        h,
+        head_dim,
+        generator=generator,
+        device="cuda",
+        dtype=dtype,
+        requires_grad=True,
     )
     return make(heads), make(groups), make(groups)
 
@@ -68,7 +77,9 @@ def test_flex_matches_torch_backend_on_cuda(forest_sequences, dtype, depth):
     grads = torch.autograd.grad((out.float() * weights).sum(), (query, key, value))
     expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
     # bf16 inputs: flex accumulates in float32 but rounds q/k/v/out to bf16 (2^-8 relative).
-    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=2e-4, atol=2e-4)
+    tolerance = (
+        dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=2e-4, atol=2e-4)
+    )
     torch.testing.assert_close(out.float(), expected, **tolerance)
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad.float(), expected_grad.float(), **tolerance)
@@ -80,7 +91,9 @@ def test_new_row_lengths_do_not_recompile(forest_sequences):
 
     lengths = []
     for seed in range(4):
-        layout = plan_shared_prefix(forest_sequences(seed=seed, depth=2, max_segment=200), capacity=8192).rows[0]
+        layout = plan_shared_prefix(
+            forest_sequences(seed=seed, depth=2, max_segment=200), capacity=8192
+        ).rows[0]
         forest = ForestTensors.from_layout(layout, "cuda")
         query, key, value = _random_qkv(layout.num_tokens, torch.bfloat16, seed=seed)
         flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.125).sum().backward()

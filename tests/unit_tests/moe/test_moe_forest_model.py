@@ -10,7 +10,6 @@ dense token, every aux-loss value, the expert-bias counts and the expert-bias up
 
 import pytest
 import torch
-
 from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
 from megatron.shared_prefix.moe import TreeTopKRouter

@@ -4,15 +4,13 @@ packing-invariant gating, the unchanged dense path, and bitwise replay."""
 import numpy as np
 import pytest
 import torch
-
+from determinism.replay import assert_bitwise_replay
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron.shared_prefix import plan_shared_prefix
 from megatron.shared_prefix.moe.reference import dense_router_statistics
 from megatron.shared_prefix.tensors import ForestTensors, forest_scope
-
-from determinism.replay import assert_bitwise_replay
 
 from .conftest import ALL_AUX_LOSSES, EXPERT_BIAS
 from .forests import dense_gather_index, random_rows, relative_error, root_paths, shared_padded_row

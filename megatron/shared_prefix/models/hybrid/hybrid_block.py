@@ -18,7 +18,9 @@ class SharedPrefixHybridStack(HybridStack):
         Everything else is HybridStack's.
     """
 
-    def __init__(self, *args, final_norm: ModuleSpec | type, post_layer_norm: bool = True, **kwargs):
+    def __init__(
+        self, *args, final_norm: ModuleSpec | type, post_layer_norm: bool = True, **kwargs
+    ):
         super().__init__(*args, post_layer_norm=False, **kwargs)
         self.post_layer_norm = post_layer_norm
         if self.post_process and post_layer_norm:

@@ -79,13 +79,19 @@ def hybrid_stack_spec(
     if num_experts is not None and num_experts < 1:
         raise ValueError(f"hybrid_stack_spec: num_experts must be >= 1 or None, got {num_experts}")
     if mamba_chunk_size < 1:
-        raise ValueError(f"hybrid_stack_spec: mamba_chunk_size must be >= 1, got {mamba_chunk_size}")
+        raise ValueError(
+            f"hybrid_stack_spec: mamba_chunk_size must be >= 1, got {mamba_chunk_size}"
+        )
 
     if use_te:
         norm_linear, row_linear, final_norm = _transformer_engine_modules()
         input_norm, column_linear = IdentityOp, norm_linear
     else:
-        input_norm, column_linear, row_linear = WrappedTorchNorm, ColumnParallelLinear, RowParallelLinear
+        input_norm, column_linear, row_linear = (
+            WrappedTorchNorm,
+            ColumnParallelLinear,
+            RowParallelLinear,
+        )
         final_norm = WrappedTorchNorm
 
     mamba_layer = ModuleSpec(
@@ -141,7 +147,9 @@ def hybrid_stack_spec(
                 pre_mlp_layernorm=WrappedTorchNorm if not use_te else final_norm,
                 # Row padding stays out of the expert-bias counts (TreeTopKRouter's count_padding);
                 # replace this mlp with tree_moe_module_spec(..., count_padding=True) to count it.
-                mlp=tree_moe_module_spec(use_te=use_te, num_experts=num_experts, count_padding=False),
+                mlp=tree_moe_module_spec(
+                    use_te=use_te, num_experts=num_experts, count_padding=False
+                ),
                 mlp_bda=get_bias_dropout_add,
             ),
         )

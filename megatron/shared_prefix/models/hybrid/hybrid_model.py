@@ -9,10 +9,9 @@ layout the forward is HybridModel.forward, unchanged.
 from typing import Optional
 
 import torch
-from torch import Tensor
-
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.identity_op import IdentityOp
+from torch import Tensor
 
 from megatron.shared_prefix.layout import ForestLayout
 from megatron.shared_prefix.models.hybrid.validation import validate_forest_forward
@@ -20,7 +19,9 @@ from megatron.shared_prefix.tensor_parallel.random import bracket_for_recompute
 from megatron.shared_prefix.tensors import ForestTensors, forest_scope
 
 
-def edge_cross_entropy(source_logits: Tensor, edge_source_slot: Tensor, edge_target: Tensor) -> Tensor:
+def edge_cross_entropy(
+    source_logits: Tensor, edge_source_slot: Tensor, edge_target: Tensor
+) -> Tensor:
     """Cross entropy of every loss edge, computing the softmax once per distinct source.
 
     Args:
@@ -48,7 +49,9 @@ class SharedPrefixHybridModel(HybridModel):
         super().__init__(*args, **kwargs)
         missing = [
             f"{index} ({symbol})"
-            for index, (symbol, layer) in enumerate(zip(self.decoder.layer_type_list, self.decoder.layers))
+            for index, (symbol, layer) in enumerate(
+                zip(self.decoder.layer_type_list, self.decoder.layers)
+            )
             if isinstance(layer, IdentityOp)
         ]
         if missing:
@@ -134,10 +137,16 @@ class SharedPrefixHybridModel(HybridModel):
         )
         return leave(hidden_states)
 
-    def _edge_loss(self, hidden_states: Tensor, forest: ForestTensors, runtime_gather_output) -> Tensor:
+    def _edge_loss(
+        self, hidden_states: Tensor, forest: ForestTensors, runtime_gather_output
+    ) -> Tensor:
         """Project only the distinct edge sources to the vocabulary; [E] float32 cross entropy."""
         source_states = hidden_states.index_select(0, forest.edge_unique_source)
-        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        output_weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else None
+        )
         logits, _ = self.output_layer(
             source_states, weight=output_weight, runtime_gather_output=runtime_gather_output
         )

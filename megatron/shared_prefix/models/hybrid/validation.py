@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 
 from megatron.shared_prefix.layout import ForestLayout
@@ -24,7 +23,9 @@ SUPPORTED_POSITION_EMBEDDINGS = ("rope", "none", "learned_absolute")
 def _config_errors(config) -> list[str]:
     errors = []
     if config.attention_dropout > 0:
-        errors.append(f"attention_dropout={config.attention_dropout} (must be 0: siblings share masks)")
+        errors.append(
+            f"attention_dropout={config.attention_dropout} (must be 0: siblings share masks)"
+        )
     if config.hidden_dropout > 0:
         errors.append(f"hidden_dropout={config.hidden_dropout} (must be 0: siblings share masks)")
     if config.window_size is not None:
@@ -39,7 +40,9 @@ def _config_errors(config) -> list[str]:
     if config.experimental_attention_variant is not None:
         errors.append(f"experimental_attention_variant={config.experimental_attention_variant!r}")
     if config.pipeline_model_parallel_size > 1:
-        errors.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} (must be 1)")
+        errors.append(
+            f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} (must be 1)"
+        )
     if config.tensor_model_parallel_size > 1:
         errors.append(f"tensor_model_parallel_size={config.tensor_model_parallel_size} (must be 1)")
     if config.context_parallel_size > 1:
@@ -77,9 +80,13 @@ def _layout_errors(model, layout: ForestLayout) -> list[str]:
     if layout.num_tokens == 0:
         errors.append("shared_prefix_layout has no tokens")
     if layout.num_tokens and int(layout.tokens.max()) >= model.vocab_size:
-        errors.append(f"shared_prefix_layout token id {int(layout.tokens.max())} >= vocab_size {model.vocab_size}")
+        errors.append(
+            f"shared_prefix_layout token id {int(layout.tokens.max())} >= vocab_size {model.vocab_size}"
+        )
     if len(layout.edge_target) and int(layout.edge_target.max()) >= model.vocab_size:
-        errors.append(f"edge target {int(layout.edge_target.max())} >= vocab_size {model.vocab_size}")
+        errors.append(
+            f"edge target {int(layout.edge_target.max())} >= vocab_size {model.vocab_size}"
+        )
     if model.position_embedding_type == "learned_absolute" and layout.num_tokens:
         if int(layout.position_ids.max()) >= model.max_sequence_length:
             errors.append(
@@ -123,12 +130,18 @@ def validate_forest_forward(model, layout: ForestLayout, **forward_args: Any) ->
         "inference_params",
     ):
         if forward_args.get(name) is not None:
-            errors.append(f"{name} given together with shared_prefix_layout (the layout defines it)")
+            errors.append(
+                f"{name} given together with shared_prefix_layout (the layout defines it)"
+            )
     errors += _layout_errors(model, layout)
     if isinstance(layout, ForestLayout):
         if not _matches(forward_args.get("input_ids"), layout.tokens):
             errors.append("input_ids do not match shared_prefix_layout.tokens (expected [1, T])")
         if not _matches(forward_args.get("position_ids"), layout.position_ids):
-            errors.append("position_ids do not match shared_prefix_layout.position_ids (expected [1, T])")
+            errors.append(
+                "position_ids do not match shared_prefix_layout.position_ids (expected [1, T])"
+            )
     if errors:
-        raise ValueError("SharedPrefixHybridModel cannot run this forest forward: " + "; ".join(errors))
+        raise ValueError(
+            "SharedPrefixHybridModel cannot run this forest forward: " + "; ".join(errors)
+        )

@@ -21,7 +21,9 @@ def dense_token_losses(model, sequence):
 
 def dense_edge_losses(model, sequences, layout):
     """[E] dense losses in ``layout``'s edge order, one dense forward per sequence of the row."""
-    per_sequence = {int(s): dense_token_losses(model, sequences[int(s)]) for s in layout.sequence_ids}
+    per_sequence = {
+        int(s): dense_token_losses(model, sequences[int(s)]) for s in layout.sequence_ids
+    }
     return torch.stack(
         [per_sequence[int(s)][int(j)] for s, j in zip(layout.edge_sequence, layout.edge_position)]
     )

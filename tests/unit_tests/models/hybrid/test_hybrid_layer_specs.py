@@ -75,4 +75,6 @@ def test_rejects_bad_spec_arguments():
     with pytest.raises(ValueError, match="tree_backend|attention_backend"):
         from megatron.shared_prefix.attention.dot_product_attention import TreeDotProductAttention
 
-        TreeDotProductAttention.__init__(object.__new__(TreeDotProductAttention), tree_backend="fast")
+        TreeDotProductAttention.__init__(
+            object.__new__(TreeDotProductAttention), tree_backend="fast"
+        )

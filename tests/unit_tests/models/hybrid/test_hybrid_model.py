@@ -37,7 +37,9 @@ def test_forest_matches_dense(build_model, forest_sequences, depth, pattern, sha
         dict(tied=True),
         dict(add_bias_linear=True),
         dict(num_query_groups=4),
-        dict(num_query_groups=1, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True),
+        dict(
+            num_query_groups=1, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True
+        ),
         dict(softmax_scale=0.2, normalization="LayerNorm"),
     ],
     ids=["tied", "bias", "mha", "mqa-layer-scaling", "softmax-scale-layernorm"],
@@ -51,8 +53,9 @@ def test_forest_matches_dense_options(build_model, forest_sequences, options):
 
 
 def test_learned_absolute_positions(megatron_world, forest_sequences):
-    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
     from tiny import tiny_config
+
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
 
     torch.manual_seed(0)
     model = SharedPrefixHybridModel(
@@ -70,9 +73,9 @@ def test_learned_absolute_positions(megatron_world, forest_sequences):
 def test_dense_forward_is_hybrid_model_forward(megatron_world):
     """Without a layout the subclass runs HybridModel.forward: bitwise equal outputs and gradients."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from tiny import tiny_config
 
     from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
-    from tiny import tiny_config
 
     models = []
     for cls in (HybridModel, SharedPrefixHybridModel):
@@ -187,7 +190,15 @@ def test_mtp_is_allowed_when_its_loss_is_disabled(build_model, forest_sequences)
 
 @pytest.mark.parametrize(
     "argument",
-    ["attention_mask", "decoder_input", "labels", "loss_mask", "packed_seq_params", "padding_mask", "inference_context"],
+    [
+        "attention_mask",
+        "decoder_input",
+        "labels",
+        "loss_mask",
+        "packed_seq_params",
+        "padding_mask",
+        "inference_context",
+    ],
 )
 def test_rejects_arguments_the_layout_defines(build_model, forest_sequences, argument):
     model = build_model("*-", seed=0)
@@ -202,7 +213,9 @@ def test_rejects_ids_that_do_not_match_the_layout(build_model, forest_sequences)
     model = build_model("*-", seed=0)
     layout = plan_shared_prefix(forest_sequences(seed=0, depth=2), capacity=512).rows[0]
     tokens, positions = _layout_tensors(layout)
-    assert model(tokens, positions, None, shared_prefix_layout=layout).numel() == len(layout.edge_source)
+    assert model(tokens, positions, None, shared_prefix_layout=layout).numel() == len(
+        layout.edge_source
+    )
     with pytest.raises(ValueError, match="input_ids"):
         model(tokens + 1, positions, None, shared_prefix_layout=layout)
     with pytest.raises(ValueError, match="position_ids"):
@@ -210,8 +223,9 @@ def test_rejects_ids_that_do_not_match_the_layout(build_model, forest_sequences)
 
 
 def test_rejects_layers_and_tokens_it_cannot_run(megatron_world, build_model):
-    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
     from tiny import tiny_config
+
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
 
     with pytest.raises(ValueError, match="num_experts"):
         SharedPrefixHybridModel(

@@ -28,7 +28,10 @@ def padded_batch_edge_losses(model, sequences, layout):
     losses = model(tokens, positions, None, labels=torch.roll(tokens, -1, dims=1))
     row_of = {index: row for row, index in enumerate(ids)}
     return torch.stack(
-        [losses[row_of[int(s)], int(j) - 1] for s, j in zip(layout.edge_sequence, layout.edge_position)]
+        [
+            losses[row_of[int(s)], int(j) - 1]
+            for s, j in zip(layout.edge_sequence, layout.edge_position)
+        ]
     )
 
 
