@@ -12,7 +12,8 @@ For each forest it times, in one process on one GPU:
   ratio (dense tokens / tree tokens), the speedups an exact implementation could reach.
 
 Usage (writes the table into docs/benchmarks.md when --write is given):
-    python tools/bench_attention.py [--heads 32] [--head-dim 128] [--repeats 10] [--write docs/benchmarks.md]
+    python tools/bench_attention.py [--heads 32] [--head-dim 128] [--repeats 10] [--write
+    docs/benchmarks.md]
 """
 
 import argparse

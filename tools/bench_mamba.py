@@ -1,6 +1,8 @@
-"""Forward+backward time and peak memory of one tree Mamba mixer against dense and fork baselines (CUDA).
+"""Forward+backward time and peak memory of one tree Mamba mixer against dense and fork baselines
+(CUDA).
 
-For each forest it runs one megatron-core Mamba mixer (in_proj, conv, SSD scan, gated norm, out_proj;
+For each forest it runs one megatron-core Mamba mixer (in_proj, conv, SSD scan, gated norm,
+out_proj;
 bf16, hidden 2048 by default, head dim 64, state 128, 8 groups), in one process on one GPU, as:
 
 * dense: the stock MambaMixer on the expanded sequences as one right-padded batch [L_max, G, hidden]
@@ -11,12 +13,14 @@ bf16, hidden 2048 by default, head dim 64, state 128, 8 groups), in one process 
 * varlen, tree tokens: the same packed row with every segment an independent root: the cost of the
   same number of tokens without the fork. Target: tree within 15% of it;
 * level-wise fork: the alternative tree_scan.py did not choose: for every depth a batch of that
-  depth's segments padded to the longest, scanned with ``initial_states`` = the parent's end state and
+  depth's segments padded to the longest, scanned with ``initial_states`` = the parent's end state
+  and
   the conv window prefixed with the parent's tail (exact, padding has dt = 0).
 
 Reported: median ms of forward+backward over ``--repeats`` runs, peak memory above the inputs (GiB),
 the token ratio (logical tokens / tree tokens, the speedup an ideal token-proportional layer gets),
-tree speedup over both dense runs, tree / ideal, tree / varlen, and the one-time cost of the forest's
+tree speedup over both dense runs, tree / ideal, tree / varlen, and the one-time cost of the
+forest's
 index tables (built once per row, shared by every layer).
 
 The dense runs take megatron's fused path (``use_mamba_mem_eff_path``) when causal-conv1d imports,
@@ -25,7 +29,8 @@ its unfused path (F.conv1d + mamba_ssm's chunk scan) otherwise; the table says w
 Usage (writes the table into docs/benchmarks.md when --write is given):
     python tools/bench_mamba.py [--hidden 2048] [--repeats 10] [--write docs/benchmarks.md]
     python tools/bench_mamba.py --check [--device cpu]   # tiny run: all variants agree, then exit
-    python tools/bench_mamba.py --profile                # top CUDA kernels: tree vs same-token varlen
+    python tools/bench_mamba.py --profile                # top CUDA kernels: tree vs same-token
+    varlen
 """
 
 import argparse
@@ -187,8 +192,10 @@ class LevelwiseFork:
 
     Depth d's segments form a batch padded to its longest segment; each row's conv input is prefixed
     with the w - 1 tokens before the segment on its root path (zeros past the root), and its scan
-    starts from its parent's end state (``initial_states``; zero for roots). Padding has dt = 0, so a
-    row's final state is the state after its last real token. Index tables are built once (__init__).
+    starts from its parent's end state (``initial_states``; zero for roots). Padding has dt = 0, so
+    a
+    row's final state is the state after its last real token. Index tables are built once
+    (__init__).
     """
 
     def __init__(self, mixer, layout, forest):

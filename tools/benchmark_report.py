@@ -35,7 +35,8 @@ def markdown_table(rows) -> list:
 
 
 def write_section(path, section_markdown):
-    """Replace (or append) the section of ``path`` whose header is the first line of ``section_markdown``.
+    """Replace (or append) the section of ``path`` whose header is the first line of
+    ``section_markdown``.
 
     ``section_markdown`` starts with its ``## title`` line; every other section of the file is kept.
     """

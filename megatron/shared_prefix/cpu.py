@@ -31,7 +31,7 @@ _MAMBA_SSM_MODULES = (
     "mamba_ssm.ops.triton.layernorm_gated",
 )
 
-_cpu_enabled = False
+_cpu_enabled = False  # pylint: disable=invalid-name
 
 
 def _mamba_ssm_importable() -> bool:

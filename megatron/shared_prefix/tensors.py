@@ -141,7 +141,8 @@ class ForestTensors:
         """Keys visible to each block of ``block_size`` consecutive queries.
 
         Returns one ascending [K_b] index tensor per query block ``b``: the tokens ``k`` with
-        ``k < block_end`` and ``token_subtree_end[k] > block_start``, i.e. every key that at least one
+        ``k < block_end`` and ``token_subtree_end[k] > block_start``, i.e. every key that at least
+        one
         query of the block may attend. Attention over these keys with the tree mask costs
         O(block_size * K_b) memory instead of O(T * T).
         """

@@ -1,8 +1,11 @@
 """Tree attention on CUDA through PyTorch FlexAttention, with a block mask built from the forest.
 
-The mask is the forest's one-line rule ``k <= q < token_subtree_end[k]``. FlexAttention skips tiles that
-no query of a block may attend, computes tiles that every query may attend without evaluating the mask,
-and evaluates the mask only on the tiles in between, so work follows the attended pairs of the forest.
+The mask is the forest's one-line rule ``k <= q < token_subtree_end[k]``. FlexAttention skips tiles
+that
+no query of a block may attend, computes tiles that every query may attend without evaluating the
+mask,
+and evaluates the mask only on the tiles in between, so work follows the attended pairs of the
+forest.
 
 The block mask is derived in O(T + (T / block)^2) tensor work, with no [T, T] mask and no scatter:
 in DFS order the queries that may attend a key ``k`` are the contiguous range ``[k, end_k)``, so the
@@ -18,7 +21,7 @@ from megatron.shared_prefix.tensors import ForestTensors
 
 BLOCK_SIZE = 128
 
-_compiled_flex_attention = None
+_compiled_flex_attention = None  # pylint: disable=invalid-name
 
 
 def _flex_attention():
@@ -39,7 +42,8 @@ def tree_mask_mod(token_subtree_end: torch.Tensor):
 
 
 def _block_ranges(token_subtree_end: torch.Tensor, block_size: int):
-    """Per key block ``j``: the last query block that sees any key of it, and the last that sees all."""
+    """Per key block ``j``: the last query block that sees any of its keys, and the last that
+    sees all of them."""
     num_tokens = token_subtree_end.shape[0]
     num_blocks = -(-num_tokens // block_size)
     padding = num_blocks * block_size - num_tokens

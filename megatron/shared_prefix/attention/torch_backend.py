@@ -1,9 +1,11 @@
 """Pure-torch tree attention: block-sparse over the keys each query block can see.
 
 Queries are processed in blocks of ``block_size`` consecutive tokens. A block gathers only the keys
-that one of its queries may attend (``ForestTensors.attention_key_blocks``) and applies the tree mask
+that one of its queries may attend (``ForestTensors.attention_key_blocks``) and applies the tree
+mask
 on that [block_size, K_b] tile, so memory is O(block_size * T) at most, far below the T x T scores
-of a dense mask, and work tracks the number of attended pairs. Runs on any device; it is the CPU path
+of a dense mask, and work tracks the number of attended pairs. Runs on any device; it is the CPU
+path
 and the oracle for the GPU backends.
 """
 

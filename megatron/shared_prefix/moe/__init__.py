@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers on prefix forests: a packed token stands for ``multiplicity`` dense tokens.
+"""Mixture-of-experts layers on prefix forests: a packed token stands for ``multiplicity`` dense
+tokens.
 
 * :class:`TreeTopKRouter` (router.py): multiplicity-weighted expert-bias counts and load-balancing /
   z losses, and packing-invariant gating;

@@ -1,4 +1,7 @@
-"""MoE layer spec with the tree-aware router (upstream: megatron/core/models/gpt/moe_module_specs.py)."""
+"""MoE layer spec with the tree-aware router.
+
+(upstream: megatron/core/models/gpt/moe_module_specs.py)
+"""
 
 import dataclasses
 from functools import partial

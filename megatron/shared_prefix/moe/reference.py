@@ -21,9 +21,11 @@ class DenseRouterStatistics:
     """Router statistics of the dense micro-batch (losses include their coefficients).
 
     Attributes:
-        tokens_per_expert: [E] int64 expert-bias counts (``routing_map``, padding per ``count_padding``).
+        tokens_per_expert: [E] int64 expert-bias counts (``routing_map``, padding per
+        ``count_padding``).
         aux_loss, seq_aux_loss, global_aux_loss, z_loss: scalar losses, None where not asked for.
-        global_tokens_per_expert: [E] float32 running counts after this micro-batch (global_aux_loss).
+        global_tokens_per_expert: [E] float32 running counts after this micro-batch
+        (global_aux_loss).
     """
 
     tokens_per_expert: torch.Tensor

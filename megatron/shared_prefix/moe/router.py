@@ -1,4 +1,5 @@
-"""Top-k router that routes a prefix forest as the dense batch would (upstream: megatron/core/transformer/moe/router.py).
+"""Top-k router that routes a prefix forest as the dense batch would (upstream:
+megatron/core/transformer/moe/router.py).
 
 Swapped in through the ``router`` submodule of the MoE spec (``tree_moe_module_spec``); with no
 forest in scope every method is megatron-core's TopKRouter. With a forest in scope:
@@ -100,15 +101,21 @@ class TreeTopKRouter(TopKRouter):
             self._check_forest_input(forest, input, padding_mask)
         return super().forward(input, padding_mask)
 
-    def _check_forest_input(self, forest: ForestTensors, input: torch.Tensor, padding_mask) -> None:
+    def _check_forest_input(
+        self,
+        forest: ForestTensors,
+        router_input: torch.Tensor,
+        padding_mask,
+    ) -> None:
         errors = moe_forest_errors(self.config)
         if padding_mask is not None:
             errors.append("padding_mask given (the forest's multiplicities mark padding)")
         if self.tp_cp_group.size() > 1:
             errors.append("tensor/context parallel router (each rank would see part of the row)")
-        if math.prod(input.shape[:-1]) != forest.num_tokens:
+        if math.prod(router_input.shape[:-1]) != forest.num_tokens:
             errors.append(
-                f"router input holds {math.prod(input.shape[:-1])} tokens, the forest {forest.num_tokens}"
+                f"router input holds {math.prod(router_input.shape[:-1])} tokens, the forest "
+                f"{forest.num_tokens}"
             )
         if errors:
             raise ValueError("TreeTopKRouter cannot route this forest: " + "; ".join(errors))

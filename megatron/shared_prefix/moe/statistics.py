@@ -1,4 +1,5 @@
-"""Multiplicity-weighted router statistics of a forest row (upstream: megatron/core/transformer/moe/moe_utils.py).
+"""Multiplicity-weighted router statistics of a forest row (upstream:
+megatron/core/transformer/moe/moe_utils.py).
 
 A packed token with multiplicity ``m`` stands for ``m`` identical dense tokens: the same hidden
 state, the same router logits, the same experts. Every router statistic of the dense micro-batch is
@@ -65,7 +66,8 @@ class ForestRoutingTables:
         sequence_last: [n] int64 last packed token of each sequence.
         sequence_order, sequence_start, sequence_stop: sequence ``i``'s root path contains ``t``
             iff ``t <= sequence_last[i] < subtree_end[t]``; with sequences sorted by last token
-            (``sequence_order``, [n]), those are ``sequence_order[sequence_start[t]:sequence_stop[t]]``
+            (``sequence_order``, [n]), those are
+            ``sequence_order[sequence_start[t]:sequence_stop[t]]``
             ([T] each).
     """
 
@@ -128,7 +130,8 @@ class ForestRoutingTables:
         return self.root_path_sums(routing_map.to(torch.int64))[self.sequence_last]
 
     def sum_over_sequences_through(self, per_sequence: torch.Tensor) -> torch.Tensor:
-        """[T, ...] sum of ``per_sequence`` ([n, ...] int64) over the sequences through each token."""
+        """[T, ...] sum of ``per_sequence`` ([n, ...] int64) over the sequences through each
+        token."""
         zero = per_sequence.new_zeros((1,) + per_sequence.shape[1:])
         prefix = torch.cat([zero, cumsum_over_tokens(per_sequence[self.sequence_order])])
         return prefix[self.sequence_stop] - prefix[self.sequence_start]

@@ -15,7 +15,8 @@ def _load_balancing_types(config) -> list[str]:
 
 
 def moe_forest_errors(config) -> list[str]:
-    """Reasons why the MoE layers of ``config`` cannot run exactly on a prefix forest (empty: they can).
+    """Reasons why the MoE layers of ``config`` cannot run exactly on a prefix forest (empty: they
+    can).
 
     Args:
         config: the model's TransformerConfig.
@@ -30,19 +31,21 @@ def moe_forest_errors(config) -> list[str]:
     balancing = _load_balancing_types(config)
     if "sinkhorn" in balancing:
         errors.append(
-            "moe_router_load_balancing_type='sinkhorn' (Sinkhorn normalises the routing scores over "
-            "the packed tokens of the row jointly, so a shared token cannot stand for its dense copies)"
+            "moe_router_load_balancing_type='sinkhorn' (Sinkhorn normalises the routing scores "
+            "over the packed tokens of the row jointly, so a shared token cannot stand for its "
+            "dense copies)"
         )
     if "quantile_balancing" in balancing:
         errors.append(
-            "moe_router_load_balancing_type='quantile_balancing' (the expert quantiles are taken over "
-            "the packed tokens, where a shared token counts once instead of once per sequence)"
+            "moe_router_load_balancing_type='quantile_balancing' (the expert quantiles are taken "
+            "over the packed tokens, where a shared token counts once instead of once per "
+            "sequence)"
         )
     if config.moe_expert_capacity_factor is not None:
         errors.append(
-            f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (capacity-factor token "
-            "dropping drops by the packed per-expert load; the dense batch would drop other tokens "
-            "and each copy of a shared token separately)"
+            f"moe_expert_capacity_factor={config.moe_expert_capacity_factor} (capacity-factor "
+            "token dropping drops by the packed per-expert load; the dense batch would drop other "
+            "tokens and each copy of a shared token separately)"
         )
     if config.moe_pad_expert_input_to_capacity:
         errors.append(

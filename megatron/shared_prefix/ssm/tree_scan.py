@@ -1,4 +1,5 @@
-"""Mamba-2 SSD scan over a prefix forest, exact and differentiable (upstream: megatron/core/ssm/ops).
+"""Mamba-2 SSD scan over a prefix forest, exact and differentiable (upstream:
+megatron/core/ssm/ops).
 
 Every packed token must see the SSM state its original sequences have: the state entering a
 segment is the state at the end of its parent segment (forked to every child), and so on up to the

@@ -1,1 +1,1 @@
-"""Tensor-parallel and recompute helpers of megatron.shared_prefix (upstream: megatron/core/tensor_parallel/)."""
+"""Tensor-parallel and recompute helpers (upstream: megatron/core/tensor_parallel/)."""

@@ -1,10 +1,12 @@
 """Keep the forest in scope while activation recompute re-runs the forward in the backward pass.
 
 (upstream: megatron/core/tensor_parallel/random.py, where CheckpointFunction would capture and
-restore the forest scope itself.) megatron-core's CheckpointFunction re-runs checkpointed layers from
+restore the forest scope itself.) megatron-core's CheckpointFunction re-runs checkpointed layers
+from
 inside ``backward``, after the model's forward has returned and its forest scope has closed. The two
 identity functions below bracket the stack in the autograd graph: the one at the stack's output
-re-opens the scope when the backward pass reaches it (before any layer's backward), and the one at the
+re-opens the scope when the backward pass reaches it (before any layer's backward), and the one at
+the
 stack's input closes it once every layer's backward, recomputes included, has run.
 """
 
@@ -27,7 +29,7 @@ class _CloseScopeInBackward(torch.autograd.Function):
     """Identity at the stack's input; its backward runs after every layer's backward."""
 
     @staticmethod
-    def forward(ctx, hidden_states, anchor, state):  # pylint: disable=arguments-differ
+    def forward(ctx, hidden_states, _anchor, state):  # pylint: disable=arguments-differ
         ctx.state = state
         return hidden_states.view_as(hidden_states)
 
@@ -57,9 +59,11 @@ class _OpenScopeInBackward(torch.autograd.Function):
 
 
 def bracket_for_recompute(forest: ForestTensors, device: torch.device):
-    """Return ``(enter, leave)``: wrap the stack's input with ``enter`` and its output with ``leave``.
+    """Return ``(enter, leave)``: wrap the stack's input with ``enter`` and its output with
+    ``leave``.
 
-    ``enter`` ties a grad-requiring anchor into the graph so that its backward (which closes the scope)
+    ``enter`` ties a grad-requiring anchor into the graph so that its backward (which closes the
+    scope)
     runs even when the stack input needs no gradient.
     """
     state = _ForestScopeState(forest)

@@ -77,7 +77,7 @@ def _init_single_process(device: torch.device, seed: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron.shared_prefix import enable_cpu
+    from megatron.shared_prefix.cpu import enable_cpu
 
     if device.type == "cpu":
         enable_cpu()

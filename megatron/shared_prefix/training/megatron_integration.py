@@ -365,7 +365,7 @@ def _use_prebuilt_dataset_helpers() -> None:
     import os
     import tempfile
 
-    import megatron.core.datasets as datasets
+    from megatron.core import datasets
 
     if os.path.exists(os.path.join(os.path.dirname(datasets.__file__), "Makefile")):
         return

@@ -53,7 +53,8 @@ def build_model(
     """SharedPrefixHybridModel for ``args`` (pattern, vocabulary, positions) and ``config``."""
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
-    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+    from megatron.shared_prefix.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.shared_prefix.models.hybrid.hybrid_model import SharedPrefixHybridModel
 
     vocab_size = getattr(args, "padded_vocab_size", None) or calculate_padded_vocab_size(
         args.vocab_size,

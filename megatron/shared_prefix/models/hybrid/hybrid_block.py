@@ -1,7 +1,9 @@
 """HybridStack with a final norm that does not require Transformer Engine.
 
-megatron-core's HybridStack builds its final norm as ``TENorm``. Passing ``post_layer_norm=False`` to
-the parent and adding the norm here keeps the parameter name (``final_norm.weight``) and the parent's
+megatron-core's HybridStack builds its final norm as ``TENorm``. Passing ``post_layer_norm=False``
+to
+the parent and adding the norm here keeps the parameter name (``final_norm.weight``) and the
+parent's
 forward, which applies ``final_norm`` whenever ``post_layer_norm`` is set.
 """
 

@@ -1,9 +1,13 @@
-"""Layer specs for shared-prefix hybrid models (upstream: megatron/core/models/hybrid/hybrid_layer_specs.py).
+"""Layer specs for shared-prefix hybrid models (upstream:
+megatron/core/models/hybrid/hybrid_layer_specs.py).
 
-``hybrid_stack_spec()`` covers every layer type a HybridModel pattern can hold that a forest supports
+``hybrid_stack_spec()`` covers every layer type a HybridModel pattern can hold that a forest
+supports
 (``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE). It is built from megatron-core's local
-(non-Transformer-Engine) modules unless the caller asks for Transformer Engine, so it builds and runs
-on a machine without CUDA (after :func:`megatron.shared_prefix.enable_cpu`). The tree-aware pieces are
+(non-Transformer-Engine) modules unless the caller asks for Transformer Engine, so it builds and
+runs
+on a machine without CUDA (after :func:`megatron.shared_prefix.enable_cpu`). The tree-aware pieces
+are
 swapped in as submodules: the core attention, the Mamba mixer and the MoE router; the rest is stock
 megatron-core.
 """
@@ -47,7 +51,8 @@ def _transformer_engine_modules():
         HAVE_TE = False
     if not HAVE_TE:
         raise ValueError(
-            "hybrid_stack_spec(use_te=True) needs Transformer Engine, which cannot be imported here; "
+            "hybrid_stack_spec(use_te=True) needs Transformer Engine, which cannot be imported "
+            "here; "
             "use use_te=False for megatron-core's local modules"
         )
     return TELayerNormColumnParallelLinear, TERowParallelLinear, TENorm
@@ -67,7 +72,8 @@ def hybrid_stack_spec(
             required only when the layer pattern has ``E`` layers (the config's ``num_moe_experts``
             must match).
         use_te: use Transformer Engine linear layers and norms (fused layer-norm + linear, as
-            megatron-core's own hybrid spec does). Requires Transformer Engine; the core attention and
+            megatron-core's own hybrid spec does). Requires Transformer Engine; the core attention
+            and
             the Mamba scan stay the tree-aware local implementations.
         mamba_chunk_size: chunk size of the Mamba SSD scan.
         attention_backend: tree attention backend, "auto" (FlexAttention on CUDA, torch elsewhere),

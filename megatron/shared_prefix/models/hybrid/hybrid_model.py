@@ -1,7 +1,9 @@
-"""HybridModel that trains on packed prefix forests (upstream: megatron/core/models/hybrid/hybrid_model.py).
+"""HybridModel that trains on packed prefix forests (upstream:
+megatron/core/models/hybrid/hybrid_model.py).
 
 ``SharedPrefixHybridModel.forward(..., shared_prefix_layout=layout)`` runs the model once over the
-unique tokens of a forest row and returns the per-edge cross entropy: one value per supervised target
+unique tokens of a forest row and returns the per-edge cross entropy: one value per supervised
+target
 of every original sequence in the row, equal to that sequence's dense per-token loss. Without a
 layout the forward is HybridModel.forward, unchanged.
 """
@@ -56,7 +58,8 @@ class SharedPrefixHybridModel(HybridModel):
         ]
         if missing:
             raise ValueError(
-                f"SharedPrefixHybridModel: layers {', '.join(missing)} of hybrid_layer_pattern have no "
+                f"SharedPrefixHybridModel: layers {', '.join(missing)} of hybrid_layer_pattern "
+                "have no "
                 "module in hybrid_stack_spec (E layers need hybrid_stack_spec(num_experts=...))"
             )
 
@@ -120,7 +123,7 @@ class SharedPrefixHybridModel(HybridModel):
         return self.embedding.word_embeddings.weight.device
 
     def _forest_rotary_pos_emb(self, forest: ForestTensors) -> Optional[Tensor]:
-        """[T, 1, 1, D] rotary table rows gathered by each token's position (not by packed index)."""
+        """[T, 1, 1, D] rotary table rows gathered by each token's position (not packed index)."""
         if self.position_embedding_type != "rope":
             return None
         table = self.rotary_pos_emb(int(forest.layout.position_ids.max()) + 1)

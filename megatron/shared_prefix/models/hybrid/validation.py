@@ -56,7 +56,8 @@ def _config_errors(config) -> list[str]:
     if config.mtp_num_layers and config.mtp_loss_scaling_factor:
         errors.append(
             f"mtp_num_layers={config.mtp_num_layers} with mtp_loss_scaling_factor="
-            f"{config.mtp_loss_scaling_factor} (set mtp_loss_scaling_factor=0 to skip MTP on forests)"
+            f"{config.mtp_loss_scaling_factor} (set mtp_loss_scaling_factor=0 to skip MTP on "
+            "forests)"
         )
     return errors
 
@@ -81,7 +82,8 @@ def _layout_errors(model, layout: ForestLayout) -> list[str]:
         errors.append("shared_prefix_layout has no tokens")
     if layout.num_tokens and int(layout.tokens.max()) >= model.vocab_size:
         errors.append(
-            f"shared_prefix_layout token id {int(layout.tokens.max())} >= vocab_size {model.vocab_size}"
+            f"shared_prefix_layout token id {int(layout.tokens.max())} >= vocab_size "
+            f"{model.vocab_size}"
         )
     if len(layout.edge_target) and int(layout.edge_target.max()) >= model.vocab_size:
         errors.append(
@@ -90,7 +92,8 @@ def _layout_errors(model, layout: ForestLayout) -> list[str]:
     if model.position_embedding_type == "learned_absolute" and layout.num_tokens:
         if int(layout.position_ids.max()) >= model.max_sequence_length:
             errors.append(
-                f"position {int(layout.position_ids.max())} >= max_sequence_length {model.max_sequence_length}"
+                f"position {int(layout.position_ids.max())} >= max_sequence_length "
+                f"{model.max_sequence_length}"
             )
     return errors
 
@@ -104,7 +107,8 @@ def _matches(tensor: Optional[torch.Tensor], expected: np.ndarray) -> bool:
 
 
 def validate_forest_forward(model, layout: ForestLayout, **forward_args: Any) -> None:
-    """Raise ValueError listing every reason ``model(..., shared_prefix_layout=layout)`` can't be exact.
+    """Raise ValueError listing every reason ``model(..., shared_prefix_layout=layout)`` can't be
+    exact.
 
     Args:
         model: the SharedPrefixHybridModel.
