@@ -16,6 +16,8 @@ Rules (a violation of any of them exits with status 1):
      reason) is an error.
   4. With --base-ref REF: when a source of an entry differs from REF (committed, staged, unstaged
      and untracked changes all count), one of that entry's test files differs from REF too.
+     A Python source whose code is unchanged (same syntax tree once docstrings are dropped: a
+     change of comments, docstrings or formatting only) is noted, not required to change a test.
      Exempt entries without tests are only listed. --no-require-test-update turns these failures
      into notes. A REF that names no commit (HEAD~1 on a first commit) skips this rule, with a note.
 
@@ -24,6 +26,7 @@ or git failure. Standard library only, so it runs before anything is installed.
 """
 
 import argparse
+import ast
 import importlib.util
 import io
 import posixpath
@@ -222,6 +225,42 @@ def changed_paths(root, base_ref):
     } - {""}
 
 
+def _code_fingerprint(source):
+    """The syntax tree of Python ``source`` without docstrings, or None if it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def same_code(root, base_ref, path):
+    """Whether Python file ``path`` has the code it had at ``base_ref`` (comments, docstrings and
+    formatting aside). A file that is new, removed, unparsable or not Python counts as changed."""
+    if not path.endswith(".py") or not (root / path).is_file():
+        return False
+    prefix = git(root, "rev-parse", "--show-prefix").strip()
+    old = subprocess.run(
+        ["git", "-C", str(root), "show", f"{base_ref}:{prefix}{path}"],
+        capture_output=True,
+        text=True,
+    )
+    if old.returncode != 0:
+        return False
+    before = _code_fingerprint(old.stdout)
+    return before is not None and before == _code_fingerprint((root / path).read_text())
+
+
 def check_changes(manifest, changed):
     """Rule 4: (entries whose sources changed without a test change, notes on exempt entries)."""
     stale, notes = [], []
@@ -305,7 +344,11 @@ def run(args):
                 "skipped the changed-since check"
             )
         else:
-            stale, change_notes = check_changes(manifest, changed)
+            cosmetic = {p for p in changed & registered if same_code(root, args.base_ref, p)}
+            notes.extend(
+                f"{p} changed in comments, docstrings or formatting only" for p in sorted(cosmetic)
+            )
+            stale, change_notes = check_changes(manifest, changed - cosmetic)
             notes.extend(change_notes)
             if args.no_require_test_update:
                 notes.extend(f"{s} (allowed by --no-require-test-update)" for s in stale)

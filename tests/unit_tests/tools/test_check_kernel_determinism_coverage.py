@@ -36,6 +36,8 @@ def count(counts, experts, weights):
     counts.index_add_(0, experts, weights)
     return counts
 '''
+# The same kernel with different arithmetic: a code change, not a cosmetic one.
+KERNEL_CODE_CHANGED = KERNEL_CODE.replace("weights)", "2 * weights)")
 # Mentions kernels only in a docstring and a comment, so it must not count as kernel-bearing.
 PROSE_FILE = "megatron/shared_prefix/layout.py"
 PROSE_CODE = '''"""Unlike moe/counts.py, this calls neither index_add_ nor flex_attention."""
@@ -197,7 +199,7 @@ def test_entry_without_tests_needs_an_exempt_reason(repo, reason, message):
 def test_exempt_entry_with_a_reason_passes_and_is_only_noted_when_changed(repo):
     repo.set_entries(entry(tests=(), exempt_reason="integer weights: exact in any order"))
     repo.commit("base")
-    repo.write(KERNEL_FILE, KERNEL_CODE + "# tweak\n")
+    repo.write(KERNEL_FILE, KERNEL_CODE_CHANGED)
     result = repo.check("--base-ref", "HEAD")
     assert result.returncode == 0, result.output
     assert "exempt: integer weights: exact in any order" in result.output
@@ -205,7 +207,7 @@ def test_exempt_entry_with_a_reason_passes_and_is_only_noted_when_changed(repo):
 
 def test_source_changed_without_test_change_fails(repo):
     repo.commit("base")
-    repo.write(KERNEL_FILE, KERNEL_CODE + "# tweak\n")
+    repo.write(KERNEL_FILE, KERNEL_CODE_CHANGED)
     uncommitted = repo.check("--base-ref", "HEAD")
     repo.commit("change the kernel only")
     committed = repo.check("--base-ref", "HEAD~1")
@@ -216,17 +218,34 @@ def test_source_changed_without_test_change_fails(repo):
 
 def test_source_changed_with_a_test_change_passes(repo):
     repo.commit("base")
-    repo.write(KERNEL_FILE, KERNEL_CODE + "# tweak\n")
+    repo.write(KERNEL_FILE, KERNEL_CODE_CHANGED)
     repo.write(TEST_FILE, TEST_CODE + "\n\ndef test_counts_replay_bf16():\n    pass\n")
     result = repo.check("--base-ref", "HEAD")
     assert result.returncode == 0, result.output
+
+
+def test_comment_docstring_and_formatting_changes_need_no_test_change(repo):
+    repo.commit("base")
+    cosmetic = (
+        KERNEL_CODE.replace('"""Expert counts."""', '"""Expert counts,\nrewrapped."""')
+        .replace(
+            "def count(counts, experts, weights):", "def count(\n    counts, experts, weights\n):"
+        )
+        .replace("    return counts", "    # counts now holds the sums\n    return counts")
+    )
+    repo.write(KERNEL_FILE, cosmetic)
+    result = repo.check("--base-ref", "HEAD")
+    assert result.returncode == 0, result.output
+    assert f"{KERNEL_FILE} changed in comments, docstrings or formatting only" in result.output
+    repo.write(KERNEL_FILE, cosmetic.replace("weights)", "weights.neg())"))
+    assert repo.check("--base-ref", "HEAD").returncode == 1
 
 
 def test_new_untracked_test_file_counts_as_a_test_change(repo):
     repo.commit("base")
     new_test = "tests/unit_tests/moe/test_counts_gpu_replay.py"
     repo.write(new_test, TEST_CODE)
-    repo.write(KERNEL_FILE, KERNEL_CODE + "# tweak\n")
+    repo.write(KERNEL_FILE, KERNEL_CODE_CHANGED)
     repo.set_entries(entry(tests=(f"{TEST_FILE}::test_counts_replay", new_test)))
     result = repo.check("--base-ref", "HEAD")
     assert result.returncode == 0, result.output
@@ -234,7 +253,7 @@ def test_new_untracked_test_file_counts_as_a_test_change(repo):
 
 def test_no_require_test_update_turns_the_failure_into_a_note(repo):
     repo.commit("base")
-    repo.write(KERNEL_FILE, KERNEL_CODE + "# tweak\n")
+    repo.write(KERNEL_FILE, KERNEL_CODE_CHANGED)
     result = repo.check("--base-ref", "HEAD", "--no-require-test-update")
     assert result.returncode == 0, result.output
     assert "changed but none of its tests did" in result.output

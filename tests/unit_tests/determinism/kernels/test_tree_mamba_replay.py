@@ -44,6 +44,18 @@ def replay_forest(device):
     return ForestTensors.from_layout(layout, device)
 
 
+def long_star_forest(device):
+    """A GRPO-like row long enough that the token-dimension scans run over thousands of tokens."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(1, 50, 1500).tolist()
+    sequences = [prompt + rng.integers(1, 50, 700).tolist() for _ in range(4)]
+    layout = plan_shared_prefix(sequences, capacity=8192).rows[0]
+    return ForestTensors.from_layout(layout, device)
+
+
+FORESTS = {"depth-3": replay_forest, "long-star": long_star_forest}
+
+
 def _param(*shape, device, scale=1.0, shift=0.0):
     return (torch.randn(*shape, device=device) * scale + shift).requires_grad_()
 
@@ -68,8 +80,9 @@ def test_tree_conv_replay(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gate", [True, False], ids=["z", "no-z"])
-def test_tree_scan_replay(device, gate):
-    forest = replay_forest(device)
+@pytest.mark.parametrize("row", sorted(FORESTS))
+def test_tree_scan_replay(device, gate, row):
+    forest = FORESTS[row](device)
     length = forest.num_tokens
 
     def make_inputs():
