@@ -22,31 +22,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed with one process and megatron-core's parallel state (TP = PP = 1)."""
-    import socket
-
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    from megatron.shared_prefix import enable_cpu
+    from megatron.shared_prefix.training.distributed import init_single_process
 
-    enable_cpu()
-    if not dist.is_initialized():
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        dist.init_process_group(
-            backend="nccl" if torch.cuda.is_available() else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=1,
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
+    init_single_process("cuda" if torch.cuda.is_available() else "cpu")
     yield
 
 

@@ -34,7 +34,6 @@ Usage (writes the table into docs/benchmarks.md when --write is given):
 """
 
 import argparse
-import socket
 import sys
 import time
 
@@ -43,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from benchmark_report import cuda_time_ms, markdown_table, write_section
 
-from megatron.shared_prefix.cpu import enable_cpu, install_mamba_ssm_fallback
+from megatron.shared_prefix.cpu import install_mamba_ssm_fallback
 
 install_mamba_ssm_fallback()
 
@@ -57,6 +56,7 @@ from megatron.shared_prefix.ssm.tree_scan import (  # noqa: E402
     process_dt,
 )
 from megatron.shared_prefix.tensors import ForestTensors, forest_scope  # noqa: E402
+from megatron.shared_prefix.training.distributed import init_single_process  # noqa: E402
 
 SECTION = "Tree Mamba mixer (tools/bench_mamba.py)"
 
@@ -108,30 +108,6 @@ def flat_layout(lengths):
 
 # ----------------------------------------------------------------------------------------------------
 # the mixer
-
-
-def init_megatron(device):
-    import torch.distributed as dist  # pylint: disable=import-outside-toplevel
-    from megatron.core import (  # pylint: disable=import-outside-toplevel
-        parallel_state,
-        tensor_parallel,
-    )
-
-    if device == "cpu":
-        enable_cpu()
-    if not dist.is_initialized():
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        dist.init_process_group(
-            "nccl" if device == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=1,
-        )
-    parallel_state.initialize_model_parallel(1, 1)
-    if device == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
 def causal_conv1d_available():
@@ -505,7 +481,7 @@ def main():
         help="print torch.profiler's top CUDA kernels of the tree and the same-token varlen run",
     )
     args = parser.parse_args()
-    init_megatron(args.device)
+    init_single_process(args.device)
     if args.check:
         args.hidden, args.head_dim, args.state, args.groups, args.chunk = 32, 8, 8, 2, 8
         check(args)

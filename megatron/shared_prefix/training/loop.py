@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from typing import Callable, Sequence
 
@@ -33,6 +32,7 @@ from megatron.shared_prefix.training.checkpointing import (
 )
 from megatron.shared_prefix.training.config import RunConfig, ScheduleConfig
 from megatron.shared_prefix.training.data import ExampleStream
+from megatron.shared_prefix.training.distributed import init_single_process
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, open_tensorboard
 from megatron.shared_prefix.training.model import (
     build_model,
@@ -70,31 +70,6 @@ _SIGNATURE_FLAGS = (
 def model_signature(args) -> dict:
     """Flag -> value for every flag that shapes the network."""
     return {"--" + name.replace("_", "-"): getattr(args, name) for name in _SIGNATURE_FLAGS}
-
-
-def _init_single_process(device: torch.device, seed: int) -> None:
-    """A one-process torch.distributed world and megatron-core parallel state (TP = PP = 1)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron.shared_prefix.cpu import enable_cpu
-
-    if device.type == "cpu":
-        enable_cpu()
-    if not dist.is_initialized():
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=1,
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    if device.type == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_optimizer(model: torch.nn.Module, schedule: ScheduleConfig) -> torch.optim.Optimizer:
@@ -208,7 +183,7 @@ class _Trainer:
     """Model, optimizer and scheduler of one run, and the loop over its global batches."""
 
     def __init__(self, args, config: RunConfig, device: torch.device, log: Callable[[str], None]):
-        _init_single_process(device, args.seed)
+        init_single_process(device, args.seed)
         torch.manual_seed(args.seed)
         self.model = build_model(args, transformer_config(args, portable=True)).to(device)
         self.optimizer = build_optimizer(self.model, config.schedule)

@@ -4,6 +4,7 @@ import contextlib
 
 import pytest
 import torch
+from tiny import tiny_config
 
 # Every load-balancing loss megatron-core offers, each with its own coefficient.
 ALL_AUX_LOSSES = dict(
@@ -17,32 +18,9 @@ EXPERT_BIAS = dict(moe_router_enable_expert_bias=True, moe_router_score_function
 
 def moe_config(**overrides):
     """A float32 TransformerConfig with 4 experts, top-2, hidden size 32."""
-    from megatron.core.transformer import TransformerConfig
-
-    settings = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        mamba_state_dim=8,
-        mamba_head_dim=8,
-        mamba_num_groups=2,
-        num_moe_experts=4,
-        moe_router_topk=2,
-        add_bias_linear=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_mamba_mem_eff_path=True,
-        normalization="RMSNorm",
-    )
+    settings = dict(num_layers=2, num_moe_experts=4, moe_router_topk=2, add_bias_linear=False)
     settings.update(overrides)
-    return TransformerConfig(**settings)
+    return tiny_config(**settings)
 
 
 @pytest.fixture
