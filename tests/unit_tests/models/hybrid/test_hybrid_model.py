@@ -241,3 +241,15 @@ def test_rejects_layers_and_tokens_it_cannot_run(megatron_world, build_model):
         model(None, None, None, shared_prefix_layout=layout)
     with pytest.raises(ValueError, match="ForestLayout"):
         model(None, None, None, shared_prefix_layout=[[1, 2, 3]])
+
+
+def test_row_without_supervised_targets(build_model):
+    """A row whose sequences have no targets runs, returns [0] losses and leaves no gradient."""
+    plan = plan_shared_prefix([[1, 2, 3, 4], [1, 2, 5]], [[False] * 4, [False] * 3], capacity=64)
+    assert plan.loss_tokens == 0
+    model = build_model("*-", seed=0)
+    loss = model(None, None, None, shared_prefix_layout=plan.rows[0])
+    assert loss.shape == (0,) and loss.dtype == torch.float32
+    loss.sum().backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert all(torch.isnan(values).all() for values in plan.unpack_edges([loss.detach()]))
