@@ -64,12 +64,17 @@ def row_coefficients(
 
     ``examples`` is the list the row was planned from (``edge_sequence`` indexes it).
     """
-    coefficients = np.empty(len(layout.edge_source), dtype=np.float32)
-    for sequence in np.unique(layout.edge_sequence):
-        selected = layout.edge_sequence == sequence
-        per_position = target_coefficients(examples[int(sequence)], normalization)
-        coefficients[selected] = per_position[layout.edge_position[selected]]
-    return coefficients
+    ids = layout.sequence_ids
+    per_sequence = [target_coefficients(examples[int(s)], normalization) for s in ids]
+    if not per_sequence:
+        return np.empty(0, dtype=np.float32)
+    starts = np.zeros(len(ids), dtype=np.int64)
+    np.cumsum([len(c) for c in per_sequence[:-1]], out=starts[1:])
+    # One gather over the row's concatenated per-position coefficients: edge -> its sequence's slot.
+    order = np.argsort(ids)
+    slot = order[np.searchsorted(ids, layout.edge_sequence, sorter=order)]
+    flat = np.concatenate(per_sequence).astype(np.float32, copy=False)
+    return flat[starts[slot] + layout.edge_position]
 
 
 def row_units(
