@@ -19,10 +19,14 @@ Usage (writes the table into docs/benchmarks.md when --write is given):
 import argparse
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from benchmark_report import cuda_time_ms, write_section  # tools/ is on sys.path as a script
+from benchmark_report import (  # tools/ is on sys.path as a script
+    agent_tree,
+    cuda_time_ms,
+    star,
+    write_section,
+)
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron.shared_prefix.attention import flex_backend
@@ -30,26 +34,6 @@ from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.tensors import ForestTensors
 
 SECTION = "Tree attention (tools/bench_attention.py)"
-
-
-def star(prompt: int, completion: int, group: int, seed: int = 0):
-    """GRPO group: one prompt, ``group`` completions of equal length."""
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(1, 30000, prompt)
-    return [np.concatenate([shared, rng.integers(1, 30000, completion)]) for _ in range(group)]
-
-
-def agent_tree(prompt: int, turn: int, calls: int, branches: int, seed: int = 0):
-    """Depth-3 agent trace: a system prompt, ``calls`` first turns, each with ``branches`` second turns."""
-    rng = np.random.default_rng(seed)
-    root = rng.integers(1, 30000, prompt)
-    sequences = []
-    for _ in range(calls):
-        first = np.concatenate([root, rng.integers(1, 30000, turn)])
-        sequences += [
-            np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)
-        ]
-    return sequences
 
 
 def forward_backward(attend, *inputs):
@@ -153,10 +137,10 @@ def main():
     parser.add_argument("--write", help="markdown file whose section to replace with the results")
     args = parser.parse_args()
     forests = [
-        ("star P=4096 C=1024 G=16", star(4096, 1024, 16)),
-        ("star P=1024 C=512 G=16", star(1024, 512, 16)),
-        ("star P=8192 C=512 G=8", star(8192, 512, 8)),
-        ("star P=2048 C=2048 G=8", star(2048, 2048, 8)),
+        ("star P=4096 C=1024 G=16", star(4096, [1024] * 16)),
+        ("star P=1024 C=512 G=16", star(1024, [512] * 16)),
+        ("star P=8192 C=512 G=8", star(8192, [512] * 8)),
+        ("star P=2048 C=2048 G=8", star(2048, [2048] * 8)),
         ("agent depth 3: P=2048, 4 x 512, 4 x 512", agent_tree(2048, 512, 4, 4)),
     ]
     rows = []

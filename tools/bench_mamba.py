@@ -40,7 +40,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from benchmark_report import cuda_time_ms, markdown_table, write_section
+from benchmark_report import agent_tree, cuda_time_ms, markdown_table, star, write_section
 
 from megatron.shared_prefix.cpu import install_mamba_ssm_fallback
 
@@ -59,30 +59,6 @@ from megatron.shared_prefix.tensors import ForestTensors, forest_scope  # noqa: 
 from megatron.shared_prefix.training.distributed import init_single_process  # noqa: E402
 
 SECTION = "Tree Mamba mixer (tools/bench_mamba.py)"
-
-
-# ----------------------------------------------------------------------------------------------------
-# forests
-
-
-def star(prompt, completions, seed=0):
-    """GRPO group: one prompt, one completion per entry of ``completions`` (their lengths)."""
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(1, 30000, prompt)
-    return [np.concatenate([shared, rng.integers(1, 30000, n)]) for n in completions]
-
-
-def agent_tree(prompt, turn, calls, branches, seed=0):
-    """Depth-3 agent trace: a system prompt, ``calls`` first turns, each with ``branches`` second turns."""
-    rng = np.random.default_rng(seed)
-    root = rng.integers(1, 30000, prompt)
-    sequences = []
-    for _ in range(calls):
-        first = np.concatenate([root, rng.integers(1, 30000, turn)])
-        sequences += [
-            np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)
-        ]
-    return sequences
 
 
 def flat_layout(lengths):

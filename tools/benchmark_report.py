@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks in tools/: CUDA timing and their sections of docs/benchmarks.md.
+"""Helpers shared by the benchmarks in tools/: CUDA timing, synthetic forests, and their sections of
+docs/benchmarks.md.
 
 Each benchmark writes one ``## <title>`` section (its command, device and table) and replaces only
 that section when it runs again, so benchmarks never overwrite each other's results.
@@ -6,6 +7,7 @@ that section when it runs again, so benchmarks never overwrite each other's resu
 
 import statistics
 
+import numpy as np
 import torch
 
 
@@ -58,3 +60,23 @@ def write_section(path, section_markdown):
         text = text.rstrip("\n") + "\n\n" + section_markdown.rstrip("\n") + "\n"
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def star(prompt, completions, seed=0):
+    """GRPO group: one prompt, one completion per entry of ``completions`` (their lengths)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, 30000, prompt)
+    return [np.concatenate([shared, rng.integers(1, 30000, n)]) for n in completions]
+
+
+def agent_tree(prompt, turn, calls, branches, seed=0):
+    """Depth-3 agent trace: a system prompt, ``calls`` first turns, each with ``branches`` second turns."""
+    rng = np.random.default_rng(seed)
+    root = rng.integers(1, 30000, prompt)
+    sequences = []
+    for _ in range(calls):
+        first = np.concatenate([root, rng.integers(1, 30000, turn)])
+        sequences += [
+            np.concatenate([first, rng.integers(1, 30000, turn)]) for _ in range(branches)
+        ]
+    return sequences
