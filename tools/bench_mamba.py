@@ -419,21 +419,27 @@ def check(args):
 
 
 def profile(mixer):
-    """torch.profiler tables of one forward+backward: the P=4096 star's tree vs its same-token varlen."""
+    """torch.profiler tables (kernels by self CUDA time) of one forward+backward: tree vs same-token
+    varlen, for the P=4096 star and the depth-3 tree."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    runs, _, _ = variants(mixer, star(4096, [1024] * 16), torch.bfloat16, "cuda")
-    for key in ("tree", "varlen, tree tokens"):
-        run = runs[key][0]
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run()
+    forests = {
+        "star P=4096 C=1024 G=16": star(4096, [1024] * 16),
+        "agent depth 3": agent_tree(2048, 512, 4, 4),
+    }
+    for name, sequences in forests.items():
+        runs, _, _ = variants(mixer, sequences, torch.bfloat16, "cuda")
+        for key in ("tree", "varlen, tree tokens"):
+            run = runs[key][0]
+            for _ in range(3):
+                run()
             torch.cuda.synchronize()
-        print(f"===== {key}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            print(f"===== {name}: {key}")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
 
 def main():
