@@ -31,8 +31,11 @@ and the correction is gated alike.
 Cost: the packed scan (O(T) work and memory, no padding); a float64 segmented cumulative sum of
 ``dt * A`` over [T, H] (differences of float64 prefix sums: exact enough at any row length, where
 float32 prefix sums minus offsets would cancel); per internal segment one [L, H, P] x [L, N]
-product for (2); per internal segment, for (1), a gather of its children's C and a [K, N] x [N, P]
-product per head, in a custom autograd function that keeps nothing of size [K, H, P] for backward.
+product for (2); and (1) for every child token, in a custom autograd function that keeps nothing
+of size [K, H, P] for backward: on CUDA next to mamba_ssm's scan, fused Triton kernels
+(ssm/triton_inherited_state.py: one forward kernel, two backward, each reading the activations
+once); elsewhere, per internal segment, a gather of its children's C and a [K, N] x [N, P] product
+per head (the kernels' oracle).
 Python iterates once per *internal* segment (a GRPO group has one); the end states kept for
 backward are O(internal segments x H x P x N), float32.
 
@@ -46,7 +49,9 @@ layer. tools/bench_mamba.py times both.
 
 Backends: the packed scan is ``torch_ssd.mamba_chunk_scan_combined`` (pure torch, any device: the
 CPU path and the oracle) or mamba_ssm's Triton ``mamba_chunk_scan_combined`` (CUDA); both are
-called identically. The correction is plain torch on either. Gathers with repeated indices are kept
+called identically. The correction is Triton with the Triton scan and plain torch with torch_ssd
+(the Triton one rounds the forked state to C's dtype before the product, as mamba_ssm does for the
+state it passes between chunks). Gathers with repeated indices are kept
 out of the backward (see ``_per_token``); like mamba_ssm's own backward kernels, the float
 accumulations left (cumulative sums, matrix products) are bitwise reproducible under
 ``torch.use_deterministic_algorithms(True)``.
@@ -306,9 +311,18 @@ def tree_ssd_scan(
             state = state + decay * ends[parent_slot]
         ends.append(state)
 
-    # (1) for every child token, gated like y when z is given.
+    # (1) for every child token, gated like y when z is given: fused Triton kernels next to the
+    # Triton scan, the torch oracle otherwise.
+    tables = None
+    if mamba_chunk_scan_combined is not torch_ssd.mamba_chunk_scan_combined:
+        from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+            triton_inherited_state,
+        )
+
+        if triton_inherited_state.supported(y, C):
+            tables = triton_inherited_state.ChildBlocks.of(forest, plan.child_tokens)
     out = _InheritedStateOutput.apply(
-        y[0], None if z is None else z[0], C[0], cum, plan.child_tokens, *ends
+        y[0], None if z is None else z[0], C[0], cum, plan.child_tokens, tables, *ends
     )
     return out.unsqueeze(0)
 
@@ -318,7 +332,9 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
 
     Inputs: y [T, h, p] (the packed scan's output), z [T, h, p] or None (gate silu(z)), C [T, g, n],
     cum [T, h] (compute dtype), child_tokens (per internal segment, the tokens of its children;
-    disjoint), then one end state [g, h / g, p, n] (compute dtype) per internal segment.
+    disjoint), tables (``triton_inherited_state.ChildBlocks`` to run the fused Triton kernels, or
+    None for the torch code below, their oracle), then one end state [g, h / g, p, n] (compute
+    dtype) per internal segment.
 
     A custom function so that nothing of size [children, h, p] is kept for backward: autograd
     through the same expression would save the product C . state, the decayed correction and the
@@ -329,7 +345,19 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
     """
 
     @staticmethod
-    def forward(ctx, y, z, C, cum, child_tokens, *states):  # pylint: disable=arguments-differ
+    def forward(
+        ctx, y, z, C, cum, child_tokens, tables, *states
+    ):  # pylint: disable=arguments-differ
+        ctx.tables = tables
+        if tables is not None:
+            from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+                triton_inherited_state,
+            )
+
+            stacked = torch.stack([state.flatten(0, 1) for state in states])  # [S, h, p, n]
+            ctx.state_shape = states[0].shape
+            ctx.save_for_backward(z, C, cum, stacked)
+            return triton_inherited_state.inherited_state_output(y, z, C, cum, stacked, tables)
         compute = cum.dtype
         out = y.clone()
         for children, state in zip(child_tokens, states):
@@ -345,6 +373,24 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
 
     @staticmethod
     def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+        if ctx.tables is not None:
+            from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+                triton_inherited_state,
+            )
+
+            z, C, cum, stacked = ctx.saved_tensors
+            needs = ctx.needs_input_grad[1:4] + (any(ctx.needs_input_grad[6:]),)
+            grad_z, grad_C, grad_cum, grad_states = (
+                triton_inherited_state.inherited_state_output_backward(
+                    grad_out, z, C, cum, stacked, ctx.tables, needs
+                )
+            )
+            states_grads = (
+                [None] * stacked.shape[0]
+                if grad_states is None
+                else [g.view(ctx.state_shape) for g in grad_states.unbind(0)]
+            )
+            return (grad_out, grad_z, grad_C, grad_cum, None, None, *states_grads)
         z, C, cum, *states = ctx.saved_tensors
         compute = cum.dtype
         need_z, need_C, need_cum = ctx.needs_input_grad[1:4]
@@ -370,7 +416,7 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
             if grad_C is not None:
                 grad_C[children] = torch.einsum("kgrp,grpn->kgn", grad, state).to(C.dtype)
             grad_states.append(torch.einsum("kgrp,kgn->grpn", grad, C_k))
-        return (grad_out, grad_z, grad_C, grad_cum, None, *grad_states)
+        return (grad_out, grad_z, grad_C, grad_cum, None, None, *grad_states)
 
 
 def _inherited(C_k: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

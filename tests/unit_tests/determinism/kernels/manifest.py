@@ -148,6 +148,24 @@ ENTRIES = [
         ),
     ),
     KernelEntry(
+        name="tree_scan_inherited_state",
+        sources=("megatron/shared_prefix/ssm/triton_inherited_state.py",),
+        tests=(
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_inherited_state_kernels_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_scan_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+        ),
+        kind="triton",
+        training_path=True,
+        notes=(
+            "Fused forward and backward of the tree scan's inherited-state correction on CUDA "
+            "(next to mamba_ssm's Triton scan). Every output element is written by one program; "
+            "the state gradient is a fixed split of each parent's child tokens summed in index "
+            "order by torch; no atomics. GPU replay in fp32 and bf16, with and without the gate, "
+            "on a row whose parents span several splits; CPU runs only the torch oracle."
+        ),
+    ),
+    KernelEntry(
         name="tree_conv1d",
         sources=("megatron/shared_prefix/ssm/tree_conv.py",),
         tests=(

@@ -159,3 +159,42 @@ def test_tree_mamba_mixer_replay(megatron_world, device):
             return mixer(hidden_states)[0]
 
     assert_bitwise_replay(fn, make_inputs, module=mixer, concurrent_stream_work=device == "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gate", [True, False], ids=["z", "no-z"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inherited_state_kernels_replay(gate, dtype):
+    """The fused Triton correction alone, on the long star: each parent's children span many
+    token blocks and several state-gradient splits, so the fixed-order split sum is exercised."""
+    from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, _InheritedStateOutput
+    from megatron.shared_prefix.ssm.triton_inherited_state import ChildBlocks
+
+    forest = long_star_forest("cuda")
+    plan = TreeScanPlan.of(forest)
+    tables = ChildBlocks.of(forest, plan.child_tokens)
+    assert max(b - a for a, b in tables.slot_splits) > 1
+    length, groups, heads, head_dim, state = forest.num_tokens, 2, 8, 64, 128
+
+    def make_inputs():
+        leaf = lambda *shape: torch.randn(*shape, device="cuda").to(dtype).requires_grad_()
+        return (
+            leaf(length, heads, head_dim),  # y
+            leaf(length, heads, head_dim),  # z
+            leaf(length, groups, state),  # C
+            (-torch.rand(length, heads, device="cuda") * 3).requires_grad_(),  # cum
+            *(
+                (
+                    torch.randn(groups, heads // groups, head_dim, state, device="cuda") * 0.1
+                ).requires_grad_()
+                for _ in plan.child_tokens
+            ),
+        )
+
+    def fn(y, z, C, cum, *states):
+        return _InheritedStateOutput.apply(
+            y, z if gate else None, C, cum, plan.child_tokens, tables, *states
+        )
+
+    assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)
