@@ -4,10 +4,14 @@ For each forest it times, in one process on one GPU:
 
 * dense: ``scaled_dot_product_attention(is_causal=True)`` over the batch of expanded sequences
   (every leaf sequence, all of the same length, as [G, H, L, D]);
-* tree: our FlexAttention path with the block mask built from the forest (flex_backend);
-* flex-stock: FlexAttention with the same mask_mod but the block mask from ``create_block_mask``,
-  called from the same [T, 1, H, D] layout as megatron-core's core attention (so both rows include
-  the layout conversion a Megatron layer needs);
+* tree: our FlexAttention path (flex_backend): the block mask built from the forest, the row padded
+  to its length bucket and FlexAttention compiled with static shapes;
+* flex-stock: what a user would write: the same mask_mod with the block mask from
+  ``create_block_mask``, and ``torch.compile(flex_attention)`` with default arguments, called on
+  permuted views of the same [T, 1, H, D] layout as megatron-core's core attention (so both rows
+  include the layout conversion a Megatron layer needs). One compiled wrapper serves every forest,
+  as in a training loop: Dynamo specializes on the first forest's length and, from the second
+  length on, compiles with a dynamic length (automatic dynamic shapes);
 * ideal: the attention-pair ratio (query-key pairs of the dense batch / of the tree) and the token
   ratio (dense tokens / tree tokens), the speedups an exact implementation could reach.
 
@@ -34,6 +38,10 @@ from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.tensors import ForestTensors
 
 SECTION = "Tree attention (tools/bench_attention.py)"
+
+# One wrapper for all forests: every torch.compile wrapper adds cache entries on flex_attention's
+# code object, and past Dynamo's recompile limit flex_attention would run eagerly.
+stock_flex_attention = torch.compile(flex_attention)
 
 
 def forward_backward(attend, *inputs):
@@ -85,10 +93,9 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
         layout.num_tokens,
         device="cuda",
     )
-    compiled = torch.compile(flex_attention, dynamic=True)
 
     def stock_attention(q, k, v):
-        out = compiled(
+        out = stock_flex_attention(
             *(t.permute(1, 2, 0, 3) for t in (q, k, v)), block_mask=stock_mask, scale=scale
         )
         return out.permute(2, 0, 1, 3).reshape(layout.num_tokens, 1, heads * head_dim)

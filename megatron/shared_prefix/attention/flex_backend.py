@@ -1,17 +1,25 @@
 """Tree attention on CUDA through PyTorch FlexAttention, with a block mask built from the forest.
 
 The mask is the forest's one-line rule ``k <= q < token_subtree_end[k]``. FlexAttention skips tiles
-that
-no query of a block may attend, computes tiles that every query may attend without evaluating the
-mask,
-and evaluates the mask only on the tiles in between, so work follows the attended pairs of the
-forest.
+that no query of a block may attend, computes tiles that every query may attend without evaluating
+the mask, and evaluates the mask only on the tiles in between, so work follows the attended pairs of
+the forest.
 
 The block mask is derived in O(T + (T / block)^2) tensor work, with no [T, T] mask and no scatter:
 in DFS order the queries that may attend a key ``k`` are the contiguous range ``[k, end_k)``, so the
 query blocks that may attend key block ``j`` are the contiguous range from ``j`` to the block of
 ``max end_k - 1``, and those that attend every key of block ``j`` with every query are the blocks
 strictly after ``j`` that end before ``min end_k``.
+
+FlexAttention is compiled once per process with static shapes, for the row length rounded up to a
+bucket (``bucket_length``). In an H200 experiment on 2026-11-29 (bf16, 32 heads x 128, star forest
+P=4096 C=1024 G=16, T=20480, forward+backward) a dynamic-shape compile took 16.9 ms; a static one
+took 13.3 ms from the permuted [T, 1, H, D] view and 12.8 ms from contiguous [1, H, T, D] inputs
+(hence the one copy into padded [1, H, T_bucket, D] below); probably the static kernel relies on a
+length divisible by its block sizes. Each bucket compiles once; buckets are few (at most four per
+octave of row lengths), and ``MAX_COMPILED_BUCKETS`` lifts Dynamo's recompile limit around these
+calls so that all of them stay compiled. Padded tokens attend nothing and are attended by nothing;
+their outputs are sliced off.
 """
 
 import torch
@@ -21,15 +29,37 @@ from megatron.shared_prefix.tensors import ForestTensors
 
 BLOCK_SIZE = 128
 
+# Every bucket a run meets is one more static compile: one more Dynamo cache entry on
+# flex_attention's code object (per dtype, head shape and grad mode). Past
+# torch._dynamo.config.recompile_limit (default 8) Dynamo would run flex_attention eagerly, which
+# materializes [T, T] scores and runs out of memory on long rows. With four buckets per octave, all
+# row lengths up to 2^20 tokens fall into 48 buckets.
+MAX_COMPILED_BUCKETS = 64
+
 _compiled_flex_attention = None  # pylint: disable=invalid-name
 
 
-def _flex_attention():
-    """flex_attention compiled once per process, with dynamic shapes so new row lengths reuse it."""
+def bucket_length(num_tokens: int) -> int:
+    """The row length FlexAttention runs at: ``num_tokens`` rounded up to a multiple of
+    ``max(2 ** (floor(log2(num_tokens)) - 2), BLOCK_SIZE)``.
+
+    Every bucket is a multiple of BLOCK_SIZE; an octave ``[2^e, 2^(e+1))`` holds at most four
+    buckets, and padding stays under 25% of the row (under BLOCK_SIZE tokens for rows shorter than
+    4 * BLOCK_SIZE). For example 20480 stays 20480 and 20481 becomes 24576.
+    """
+    step = max(BLOCK_SIZE, 1 << max(num_tokens.bit_length() - 3, 0))
+    return -(-num_tokens // step) * step
+
+
+def _flex_attention_static(*args, **kwargs):
+    """flex_attention compiled once per process with static shapes, called with Dynamo's recompile
+    limit raised to MAX_COMPILED_BUCKETS (a scoped config patch) so every bucket stays compiled."""
     global _compiled_flex_attention  # pylint: disable=global-statement
     if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex_attention
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    # pylint: disable-next=no-member,protected-access
+    with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_BUCKETS):
+        return _compiled_flex_attention(*args, **kwargs)
 
 
 def tree_mask_mod(token_subtree_end: torch.Tensor):
@@ -47,22 +77,36 @@ def _block_ranges(token_subtree_end: torch.Tensor, block_size: int):
     num_tokens = token_subtree_end.shape[0]
     num_blocks = -(-num_tokens // block_size)
     padding = num_blocks * block_size - num_tokens
-    ends = torch.nn.functional.pad(token_subtree_end, (0, padding), value=num_tokens)
-    ends = ends.view(num_blocks, block_size)
-    last_any = (ends.amax(dim=1) - 1) // block_size
+
+    def per_block(reduce, neutral):
+        # The ragged tail of the last block, past T, is filled with a value neutral to ``reduce``.
+        ends = torch.nn.functional.pad(token_subtree_end, (0, padding), value=neutral)
+        return reduce(ends.view(num_blocks, block_size), dim=1)
+
+    last_any = (per_block(torch.amax, 0) - 1) // block_size
     # A query block sees all of key block j iff it lies after j and ends before min end_k; the last
     # (partial) query block ends at T.
-    min_end = ends.amin(dim=1)
+    min_end = per_block(torch.amin, num_tokens)
     block_ends = torch.clamp(
-        torch.arange(1, num_blocks + 1, device=ends.device) * block_size, max=num_tokens
+        torch.arange(1, num_blocks + 1, device=token_subtree_end.device) * block_size,
+        max=num_tokens,
     )
     return num_blocks, last_any, min_end, block_ends
 
 
-def tree_block_mask(forest: ForestTensors, block_size: int = BLOCK_SIZE) -> BlockMask:
-    """FlexAttention BlockMask of the forest (built on the forest's device, no [T, T] tensor)."""
-    end = forest.token_subtree_end
-    num_tokens = forest.num_tokens
+def tree_block_mask(
+    forest: ForestTensors, block_size: int = BLOCK_SIZE, num_tokens: int | None = None
+) -> BlockMask:
+    """FlexAttention BlockMask of the forest over a row of ``num_tokens`` (default and minimum:
+    ``forest.num_tokens``), built on the forest's device with no [T, T] tensor.
+
+    Tokens from ``forest.num_tokens`` on are padding, with subtree end 0: no query sees a padded key
+    (``q < 0`` never holds), and no padded query sees a real key (real ends are at most
+    ``forest.num_tokens``). Key blocks of padding alone then have no query block, query blocks of
+    padding alone have no key block, and no tile holding a padded key is full.
+    """
+    num_tokens = forest.num_tokens if num_tokens is None else num_tokens
+    end = torch.nn.functional.pad(forest.token_subtree_end, (0, num_tokens - forest.num_tokens))
     num_blocks, last_any, min_end, block_ends = _block_ranges(end, block_size)
     q_block = torch.arange(num_blocks, device=end.device)[:, None]
     kv_block = torch.arange(num_blocks, device=end.device)[None, :]
@@ -89,6 +133,17 @@ def tree_block_mask(forest: ForestTensors, block_size: int = BLOCK_SIZE) -> Bloc
     )
 
 
+def _padded_heads_first(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T, 1, H, D] -> contiguous [1, H, num_tokens, D], zero past T, in one copy.
+
+    Zeros rather than uninitialized memory: the mask gives padded keys probability 0, but a kernel
+    may still multiply that 0 by a product with padded values, and 0 * NaN is NaN.
+    """
+    padded = x.new_zeros(1, x.shape[2], num_tokens, x.shape[3])
+    padded[:, :, : x.shape[0]] = x.permute(1, 2, 0, 3)
+    return padded
+
+
 def tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -100,8 +155,11 @@ def tree_attention(
 ) -> torch.Tensor:
     """Same contract as ``torch_backend.tree_attention`` ([T, 1, H, D] in, [T, 1, H * D] out).
 
-    The block mask is built once per forest and cached on it. ``compiled=False`` runs FlexAttention
-    eagerly (its reference implementation; used on CPU in tests).
+    Runs at ``bucket_length(T)`` tokens: q, k, v are copied into zero-padded [1, H, T_bucket, D],
+    padded queries attend nothing (FlexAttention outputs zeros there) and are sliced off, so real
+    positions and their gradients are those of the unpadded row. The block mask is built once per
+    forest and cached on it. ``compiled=False`` runs FlexAttention eagerly (its reference
+    implementation; used on CPU in tests).
     """
     num_tokens, batch, num_heads, head_dim = query.shape
     if batch != 1 or num_tokens != forest.num_tokens:
@@ -109,11 +167,15 @@ def tree_attention(
             f"tree attention expects [T={forest.num_tokens}, 1, H, D] queries for this forest, "
             f"got {tuple(query.shape)}"
         )
-    block_mask = forest.derive(("flex_block_mask", BLOCK_SIZE), lambda: tree_block_mask(forest))
-    attend = _flex_attention() if compiled else flex_attention
-    # [T, 1, H, D] -> [1, H, T, D]
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    padded = bucket_length(num_tokens)
+    block_mask = forest.derive(
+        ("flex_block_mask", BLOCK_SIZE, padded),
+        lambda: tree_block_mask(forest, num_tokens=padded),
+    )
+    attend = _flex_attention_static if compiled else flex_attention
+    q, k, v = (_padded_heads_first(t, padded) for t in (query, key, value))
     out = attend(
         q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=key.shape[2] != num_heads
     )
-    return out.permute(2, 0, 1, 3).reshape(num_tokens, 1, num_heads * head_dim)
+    # [1, H, T_bucket, D] -> [T, 1, H * D]
+    return out[0, :, :num_tokens].transpose(0, 1).reshape(num_tokens, 1, num_heads * head_dim)

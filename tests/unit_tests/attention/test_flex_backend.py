@@ -1,4 +1,5 @@
-"""FlexAttention tree backend: block mask against the dense allow-mask, outputs against the torch backend."""
+"""FlexAttention tree backend: block mask against the dense allow-mask, outputs against the torch
+backend, row-length buckets."""
 
 import numpy as np
 import pytest
@@ -23,26 +24,130 @@ def block_truth(allow, block):
     return visible, full
 
 
+def tiles(num_blocks, indices, block, num_tokens):
+    """[T, T] bool: the tiles listed by a BlockMask's (num_blocks, indices) pair, per token."""
+    selected = torch.zeros(indices.shape[-1], indices.shape[-1], dtype=torch.bool)
+    for row, (count, keys) in enumerate(zip(num_blocks[0, 0], indices[0, 0])):
+        selected[row, keys[:count]] = True
+    per_token = selected.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return per_token[:num_tokens, :num_tokens]
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("block", [4, 16])
-def test_block_mask_matches_dense_mask(forest_sequences, depth, block):
+@pytest.mark.parametrize("padding", [0, 3, 40])
+def test_block_mask_matches_dense_mask(forest_sequences, depth, block, padding):
     layout = plan_shared_prefix(
         forest_sequences(seed=depth, depth=depth, max_segment=20), capacity=1024
     ).rows[0]
     forest = ForestTensors.from_layout(layout, "cpu")
-    mask = flex_backend.tree_block_mask(forest, block_size=block)
+    num_tokens = layout.num_tokens + padding
+    mask = flex_backend.tree_block_mask(forest, block_size=block, num_tokens=num_tokens)
     dense = mask.to_dense()[0, 0].numpy().astype(bool)
-    visible, full = block_truth(tree_attention_allow_mask(layout), block)
+    # Padded tokens attend nothing and are attended by nothing.
+    allow = np.pad(tree_attention_allow_mask(layout), (0, padding))
+    visible, full = block_truth(allow, block)
     # FlexAttention's dense view marks partial and full tiles alike.
     np.testing.assert_array_equal(dense, visible)
     # Full tiles skip the mask; diagonal tiles are always left partial (a ragged 1 x 1 corner is
     # technically full, and evaluating its mask costs nothing).
-    full_blocks = np.zeros_like(full)
-    for row, (count, indices) in enumerate(
-        zip(mask.full_kv_num_blocks[0, 0].numpy(), mask.full_kv_indices[0, 0].numpy())
-    ):
-        full_blocks[row, indices[:count]] = True
-    np.testing.assert_array_equal(full_blocks, full & ~np.eye(len(full), dtype=bool))
+    full_tiles = tiles(mask.full_kv_num_blocks, mask.full_kv_indices, 1, len(full)).numpy()
+    np.testing.assert_array_equal(full_tiles, full & ~np.eye(len(full), dtype=bool))
+    # Query blocks of padding alone are skipped entirely.
+    first_padded_block = -(-layout.num_tokens // block)
+    assert not mask.kv_num_blocks[0, 0, first_padded_block:].any()
+    assert not mask.full_kv_num_blocks[0, 0, first_padded_block:].any()
+
+
+def test_bucket_length():
+    block = flex_backend.BLOCK_SIZE
+    bucket = flex_backend.bucket_length
+    short = (1, block, block + 1, 4 * block + 1)
+    assert [bucket(n) for n in short] == [block, block, 2 * block, 5 * block]
+    assert (bucket(20480), bucket(20481), bucket(2**20)) == (20480, 24576, 2**20)
+    lengths = np.arange(1, 70000)
+    buckets = np.array([bucket(int(n)) for n in lengths])
+    assert (buckets >= lengths).all() and (np.diff(buckets) >= 0).all()
+    assert (buckets % block == 0).all()
+    # Under 25% padding from 4 blocks up, under one block below.
+    long = lengths >= 4 * block
+    assert ((buckets - lengths)[long] < lengths[long] / 4).all()
+    assert ((buckets - lengths)[~long] < block).all()
+    # At most four buckets in each octave [2^e, 2^(e+1)).
+    _, per_octave = np.unique(np.floor(np.log2(np.unique(buckets))), return_counts=True)
+    assert per_octave.max() == 4
+
+
+def row_layout(forest_sequences, num_tokens):
+    """A row of exactly ``num_tokens``: a random depth-3 forest, padded by the planner."""
+    sequences = forest_sequences(seed=num_tokens, depth=3, max_segment=num_tokens // 3)
+    return plan_shared_prefix(sequences, capacity=num_tokens, pad_multiple=num_tokens).rows[0]
+
+
+def cpu_qkv(num_tokens, seed, heads=4, groups=2, head_dim=8, requires_grad=False):
+    """[T, 1, heads | groups, head_dim] float32 query, key, value on CPU (GQA)."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(num_tokens, 1, h, head_dim, generator=generator, requires_grad=requires_grad)
+        for h in (heads, groups, groups)
+    )
+
+
+@pytest.fixture
+def dynamo_enabled():
+    """Eager FlexAttention traces its reference implementation through Dynamo, which
+    tests/conftest.py disables; caches are reset around the test, as in the replay tests."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=False):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("dynamo_enabled")
+@pytest.mark.parametrize("num_tokens", [130, 300, 1000])
+def test_padded_row_matches_torch_backend(forest_sequences, num_tokens):
+    """Eager FlexAttention at the bucket length (no CPU backward in FlexAttention: forward only)."""
+    assert flex_backend.bucket_length(num_tokens) > num_tokens
+    forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
+    query, key, value = cpu_qkv(num_tokens, seed=num_tokens)
+    out = flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.3, compiled=False)
+    expected = torch_backend.tree_attention(query, key, value, forest, softmax_scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def flex_semantics(query, key, value, *, block_mask, scale, **_):
+    """FlexAttention's result, densely in float64 and differentiable on CPU ([1, H, T, D] in and out):
+    query q attends key k iff their tile is full, or partial and mask_mod holds; a query attending
+    nothing outputs zeros."""
+    num_tokens, block = query.shape[2], block_mask.BLOCK_SIZE[0]
+    index = torch.arange(num_tokens)
+    allowed = tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, block, num_tokens)
+    allowed |= tiles(block_mask.kv_num_blocks, block_mask.kv_indices, block, num_tokens) & (
+        block_mask.mask_mod(0, 0, index[:, None], index[None, :])
+    )
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.double().repeat_interleave(groups, dim=1) for t in (key, value))
+    scores = query.double() @ key.transpose(-1, -2) * scale
+    weights = torch.where(allowed, torch.exp(scores - scores.amax(-1, keepdim=True)), 0.0)
+    probs = weights / weights.sum(-1, keepdim=True).clamp_min(1e-300)
+    return (probs @ value).to(query.dtype)
+
+
+@pytest.mark.parametrize("num_tokens", [130, 300, 1000])
+def test_padded_row_gradients_match_torch_backend(forest_sequences, monkeypatch, num_tokens):
+    """Padding, block mask and slicing under autograd, with FlexAttention replaced by its dense
+    semantics (FlexAttention has no CPU backward; the GPU tests run the real kernel)."""
+    monkeypatch.setattr(flex_backend, "flex_attention", flex_semantics)
+    forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
+    query, key, value = cpu_qkv(num_tokens, seed=num_tokens, requires_grad=True)
+    out = flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.3, compiled=False)
+    expected = torch_backend.tree_attention(query, key, value, forest, softmax_scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((out * weights).sum(), (query, key, value))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)
 
 
 def _random_qkv(num_tokens, dtype, seed, heads=8, groups=2, head_dim=64):
@@ -86,22 +191,22 @@ def test_flex_matches_torch_backend_on_cuda(forest_sequences, dtype, depth):
 
 
 @pytest.mark.gpu
-def test_new_row_lengths_do_not_recompile(forest_sequences):
+def test_row_lengths_of_one_bucket_share_one_compiled_graph(forest_sequences):
     from torch._dynamo.utils import counters
 
-    lengths = []
-    for seed in range(4):
-        layout = plan_shared_prefix(
-            forest_sequences(seed=seed, depth=2, max_segment=200), capacity=8192
-        ).rows[0]
-        forest = ForestTensors.from_layout(layout, "cuda")
-        query, key, value = _random_qkv(layout.num_tokens, torch.bfloat16, seed=seed)
+    def unique_graphs_after(num_tokens):
+        forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cuda")
+        query, key, value = _random_qkv(num_tokens, torch.bfloat16, seed=num_tokens)
         flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.125).sum().backward()
-        lengths.append(layout.num_tokens)
-        if seed == 1:
-            graphs_after_two = counters["stats"]["unique_graphs"]
-    assert len(set(lengths)) == 4
-    assert counters["stats"]["unique_graphs"] == graphs_after_two
+        return counters["stats"]["unique_graphs"]
+
+    one_bucket, next_bucket = (4097, 4500, 5120), 5121
+    assert {flex_backend.bucket_length(n) for n in one_bucket} == {5120}
+    assert flex_backend.bucket_length(next_bucket) == 6144
+    # The first length compiles bucket 5120 (unless an earlier test did); the others reuse it.
+    graphs = unique_graphs_after(one_bucket[0])
+    assert [unique_graphs_after(n) for n in one_bucket[1:]] == [graphs] * (len(one_bucket) - 1)
+    assert unique_graphs_after(next_bucket) <= graphs + 1
 
 
 def test_auto_backend_uses_flex_for_cuda_rows_of_a_tile_or_more():

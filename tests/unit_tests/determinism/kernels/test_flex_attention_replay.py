@@ -6,7 +6,8 @@ it forward and backward in bf16, three times against concurrent stream work, reb
 every run so that the block mask (cached on the forest) is replayed too. On CPU, FlexAttention has
 no backward, its eager forward needs Dynamo (which tests/conftest.py turns off for speed), and
 training uses torch_backend instead, so the CPU test replays the part of this file that runs on
-any device: the block-mask construction.
+any device: the block-mask construction, for the row's own length and padded to a longer one. The
+GPU row's length is not a bucket length, so the padded static-shape path is the one replayed.
 """
 
 import contextlib
@@ -36,7 +37,8 @@ def _dynamo_enabled():
         torch._dynamo.reset()
 
 
-def test_flex_block_mask_replay_cpu(forest_sequences):
+@pytest.mark.parametrize("padding", [0, 37])
+def test_flex_block_mask_replay_cpu(forest_sequences, padding):
     sequences = forest_sequences(seed=3, depth=3, max_segment=40)
 
     def make_inputs():
@@ -45,7 +47,9 @@ def test_flex_block_mask_replay_cpu(forest_sequences):
         )
 
     def fn(forest):
-        mask = flex_backend.tree_block_mask(forest, block_size=16)
+        mask = flex_backend.tree_block_mask(
+            forest, block_size=16, num_tokens=forest.num_tokens + padding
+        )
         return mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices
 
     assert_bitwise_replay(fn, make_inputs)
@@ -56,6 +60,9 @@ def test_flex_block_mask_replay_cpu(forest_sequences):
 def test_flex_tree_attention_replay_gpu(forest_sequences):
     # Long segments, so rows span many 128-token blocks and the backward reduces across them.
     sequences = forest_sequences(seed=3, depth=3, max_segment=300)
+
+    num_tokens = plan_shared_prefix(sequences, capacity=8192).rows[0].num_tokens
+    assert flex_backend.bucket_length(num_tokens) > num_tokens  # the padded path runs
 
     def make_inputs():
         layout = plan_shared_prefix(sequences, capacity=8192).rows[0]
