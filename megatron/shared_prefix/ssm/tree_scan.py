@@ -31,13 +31,16 @@ and the correction is gated alike.
 Cost: the packed scan (O(T) work and memory, no padding); a float64 segmented cumulative sum of
 ``dt * A`` over [T, H] (differences of float64 prefix sums: exact enough at any row length, where
 float32 prefix sums minus offsets would cancel); per internal segment one [L, H, P] x [L, N]
-product for (2); and (1) for every child token, in a custom autograd function that keeps nothing
-of size [K, H, P] for backward: on CUDA next to mamba_ssm's scan, fused Triton kernels
-(ssm/triton_inherited_state.py: one forward kernel, two backward, each reading the activations
-once); elsewhere, per internal segment, a gather of its children's C and a [K, N] x [N, P] product
-per head (the kernels' oracle).
+product for (2); per internal segment, for (1), a gather of its children's C and a [K, N] x [N, P]
+product per head, in a custom autograd function that keeps nothing of size [K, H, P] for backward.
 Python iterates once per *internal* segment (a GRPO group has one); the end states kept for
-backward are O(internal segments x H x P x N), float32.
+backward are O(internal segments x H x P x N), float32. That is the torch path (CPU, and the
+oracle). Next to mamba_ssm's Triton scan the same steps run as Triton kernels instead
+(ssm/triton_inherited_state.py), a fixed number of launches per layer whatever the forest: the
+segmented log-decay (float64 sums in registers), the own states of all internal segments, their
+chain to the parents' end states, and the correction of every child token, each reading the
+activations once, and as many for the backward. Python then loops over nothing per segment, which
+matters on rows with many short segments, where the layer is otherwise bound by kernel launches.
 
 Why not level-wise batches with ``initial_states``: mamba_ssm's chunk scan takes one initial state
 per *batch row*. Running each depth of the forest as a batch whose rows are that depth's segments,
@@ -50,9 +53,9 @@ layer. tools/bench_mamba.py times both.
 Backends: the packed scan is ``torch_ssd.mamba_chunk_scan_combined`` (pure torch, any device: the
 CPU path and the oracle) or mamba_ssm's Triton ``mamba_chunk_scan_combined`` (CUDA); both are
 called identically. The correction is Triton with the Triton scan and plain torch with torch_ssd
-(the Triton one rounds the forked state to C's dtype before the product, as mamba_ssm does for the
-state it passes between chunks). Gathers with repeated indices are kept
-out of the backward (see ``_per_token``); like mamba_ssm's own backward kernels, the float
+(the Triton kernels round the float32 state, or weighted input, to the input dtype before the
+product, as mamba_ssm does for the states it passes between chunks). Gathers with repeated indices
+are kept out of the backward (see ``_per_token``); like mamba_ssm's own backward kernels, the float
 accumulations left (cumulative sums, matrix products) are bitwise reproducible under
 ``torch.use_deterministic_algorithms(True)``.
 """
@@ -248,7 +251,7 @@ def tree_ssd_scan(
             f"tree_ssd_scan expects x of shape [1, T={forest.num_tokens}, h, p], "
             f"got {tuple(x.shape)}"
         )
-    _, length, heads, head_dim = x.shape
+    _, length, heads, _ = x.shape
     groups, state_dim = B.shape[-2:]
     if tuple(dt.shape) != (1, length, heads) or tuple(A.shape) != (heads,):
         raise ValueError(
@@ -284,47 +287,85 @@ def tree_ssd_scan(
     if not plan.internal:
         return y
 
-    # Segmented cumulative log-decay: float64 prefix sums, differences taken in float64 (no
-    # cancellation), then the compute dtype. cum[t] = sum over t's segment up to t; to_end[t] = sum
-    # over (t, end of t's segment] (<= 0).
-    log_decay = dt[0].double() * A.double()  # [T, h]
-    prefix = cumsum_over_tokens(log_decay)
-    before_segment = F.pad(prefix, (0, 0, 1, 0))[
-        plan.segment_first
-    ]  # [S, h] sum before the segment
-    segment_end = prefix[plan.segment_last]  # [S, h]
-    cum = (prefix - _per_token(before_segment, plan, length)).to(compute)  # [T, h]
-    to_end = (_per_token(segment_end, plan, length) - prefix).to(compute)  # [T, h]
-    cum_end = (segment_end - before_segment).to(compute)  # [S, h]
-    # Weight of token u's input in its segment's end state, (2): exp(cum_end - cum_u) * dt_u.
-    input_weight = torch.exp(to_end) * dt[0]  # [T, h]
-
-    per_group = heads // groups
-    ends = []
-    for segment, first, end, parent_slot in plan.internal:
-        # (2): this segment's own contribution, then the inherited state decayed over the segment.
-        weighted_x = x[0, first:end].to(compute) * input_weight[first:end, :, None]
-        weighted_x = weighted_x.reshape(end - first, groups, per_group, head_dim)
-        state = torch.einsum("lgrp,lgn->grpn", weighted_x, B[0, first:end].to(compute))
-        if parent_slot >= 0:
-            decay = torch.exp(cum_end[segment]).view(groups, per_group, 1, 1)
-            state = state + decay * ends[parent_slot]
-        ends.append(state)
-
-    # (1) for every child token, gated like y when z is given: fused Triton kernels next to the
-    # Triton scan, the torch oracle otherwise.
-    tables = None
+    args = (x[0], B[0], C[0], y[0], None if z is None else z[0], dt[0], A, forest)
     if mamba_chunk_scan_combined is not torch_ssd.mamba_chunk_scan_combined:
         from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
             triton_inherited_state,
         )
 
-        if triton_inherited_state.supported(y, C):
-            tables = triton_inherited_state.ChildBlocks.of(forest, plan.child_tokens)
-    out = _InheritedStateOutput.apply(
-        y[0], None if z is None else z[0], C[0], cum, plan.child_tokens, tables, *ends
+        if compute == torch.float32 and triton_inherited_state.supported(x, B, C, y):
+            return _fused_correction(*args).unsqueeze(0)
+    return _torch_correction(*args).unsqueeze(0)
+
+
+def _torch_correction(x, B, C, y, z, dt, A, forest):
+    """(2) and (1) in plain torch: the CPU path and the oracle of :func:`_fused_correction`.
+
+    x, y, z [T, h, p] (z may be None), B, C [T, g, n], dt [T, h] (processed, compute dtype), A [h];
+    returns [T, h, p] in y's dtype.
+    """
+    plan = TreeScanPlan.of(forest)
+    compute = dt.dtype
+    length, heads, head_dim = x.shape
+    groups = B.shape[1]
+    # Segmented cumulative log-decay: float64 prefix sums, differences taken in float64 (no
+    # cancellation), then the compute dtype. cum[t] = sum over t's segment up to t; to_end[t] = sum
+    # over (t, end of t's segment] (<= 0).
+    log_decay = dt.double() * A.double()  # [T, h]
+    prefix = cumsum_over_tokens(log_decay)
+    before_segment = F.pad(prefix, (0, 0, 1, 0))[plan.segment_first]  # [S, h] sum before segment
+    segment_end = prefix[plan.segment_last]  # [S, h]
+    cum = (prefix - _per_token(before_segment, plan, length)).to(compute)  # [T, h]
+    to_end = (_per_token(segment_end, plan, length) - prefix).to(compute)  # [T, h]
+    cum_end = (segment_end - before_segment).to(compute)  # [S, h]
+    # Weight of token u's input in its segment's end state, (2): exp(cum_end - cum_u) * dt_u.
+    input_weight = torch.exp(to_end) * dt  # [T, h]
+
+    per_group = heads // groups
+    ends = []
+    for segment, first, end, parent_slot in plan.internal:
+        # (2): this segment's own contribution, then the inherited state decayed over the segment.
+        weighted_x = x[first:end].to(compute) * input_weight[first:end, :, None]
+        weighted_x = weighted_x.reshape(end - first, groups, per_group, head_dim)
+        state = torch.einsum("lgrp,lgn->grpn", weighted_x, B[first:end].to(compute))
+        if parent_slot >= 0:
+            decay = torch.exp(cum_end[segment]).view(groups, per_group, 1, 1)
+            state = state + decay * ends[parent_slot]
+        ends.append(state)
+    # (1) for every child token, gated like y when z is given.
+    return _InheritedStateOutput.apply(y, z, C, cum, plan.child_tokens, *ends)
+
+
+def _fused_correction(x, B, C, y, z, dt, A, forest):
+    """(2) and (1) through the Triton kernels of ssm/triton_inherited_state.py; same contract as
+    :func:`_torch_correction` (float32 dt and A). Five launches forward: the segmented log-decay,
+    every internal segment's own state, the chain to the parents' end states, the correction of
+    every child token (plus one to add state-sum splits).
+    """
+    # pylint: disable-next=import-outside-toplevel
+    from megatron.shared_prefix.ssm import triton_inherited_state as kernels
+
+    plan = TreeScanPlan.of(forest)
+    cum, input_weight, cum_end = kernels.SegmentDecay.apply(
+        dt, A.float(), forest.segment_starts, forest.segment_lengths
     )
-    return out.unsqueeze(0)
+    own_tables = kernels.TokenBlocks.of(
+        forest,
+        "internal segment tokens",
+        lambda: [torch.arange(first, end) for _, first, end, _ in plan.internal],
+    )
+    child_tables = kernels.TokenBlocks.of(forest, "child tokens", lambda: plan.child_tokens)
+    states = kernels.OwnStates.apply(x, input_weight, B, own_tables)  # [S, h, p, n]
+    if any(parent_slot >= 0 for *_, parent_slot in plan.internal):
+        slot_segment, slot_parent = forest.derive(
+            "tree_scan_state_chain",
+            lambda: tuple(
+                torch.tensor(column, dtype=torch.int64, device=forest.device)
+                for column in zip(*[(segment, parent) for segment, _, _, parent in plan.internal])
+            ),
+        )
+        states = kernels.StateChain.apply(states, cum_end, slot_segment, slot_parent)
+    return kernels.InheritedStateOutput.apply(y, z, C, cum, states, child_tables)
 
 
 class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstract-method
@@ -332,9 +373,7 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
 
     Inputs: y [T, h, p] (the packed scan's output), z [T, h, p] or None (gate silu(z)), C [T, g, n],
     cum [T, h] (compute dtype), child_tokens (per internal segment, the tokens of its children;
-    disjoint), tables (``triton_inherited_state.ChildBlocks`` to run the fused Triton kernels, or
-    None for the torch code below, their oracle), then one end state [g, h / g, p, n] (compute
-    dtype) per internal segment.
+    disjoint), then one end state [g, h / g, p, n] (compute dtype) per internal segment.
 
     A custom function so that nothing of size [children, h, p] is kept for backward: autograd
     through the same expression would save the product C . state, the decayed correction and the
@@ -345,19 +384,7 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
     """
 
     @staticmethod
-    def forward(
-        ctx, y, z, C, cum, child_tokens, tables, *states
-    ):  # pylint: disable=arguments-differ
-        ctx.tables = tables
-        if tables is not None:
-            from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
-                triton_inherited_state,
-            )
-
-            stacked = torch.stack([state.flatten(0, 1) for state in states])  # [S, h, p, n]
-            ctx.state_shape = states[0].shape
-            ctx.save_for_backward(z, C, cum, stacked)
-            return triton_inherited_state.inherited_state_output(y, z, C, cum, stacked, tables)
+    def forward(ctx, y, z, C, cum, child_tokens, *states):  # pylint: disable=arguments-differ
         compute = cum.dtype
         out = y.clone()
         for children, state in zip(child_tokens, states):
@@ -373,24 +400,6 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
 
     @staticmethod
     def backward(ctx, grad_out):  # pylint: disable=arguments-differ
-        if ctx.tables is not None:
-            from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
-                triton_inherited_state,
-            )
-
-            z, C, cum, stacked = ctx.saved_tensors
-            needs = ctx.needs_input_grad[1:4] + (any(ctx.needs_input_grad[6:]),)
-            grad_z, grad_C, grad_cum, grad_states = (
-                triton_inherited_state.inherited_state_output_backward(
-                    grad_out, z, C, cum, stacked, ctx.tables, needs
-                )
-            )
-            states_grads = (
-                [None] * stacked.shape[0]
-                if grad_states is None
-                else [g.view(ctx.state_shape) for g in grad_states.unbind(0)]
-            )
-            return (grad_out, grad_z, grad_C, grad_cum, None, None, *states_grads)
         z, C, cum, *states = ctx.saved_tensors
         compute = cum.dtype
         need_z, need_C, need_cum = ctx.needs_input_grad[1:4]
@@ -416,7 +425,7 @@ class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstrac
             if grad_C is not None:
                 grad_C[children] = torch.einsum("kgrp,grpn->kgn", grad, state).to(C.dtype)
             grad_states.append(torch.einsum("kgrp,kgn->grpn", grad, C_k))
-        return (grad_out, grad_z, grad_C, grad_cum, None, None, *grad_states)
+        return (grad_out, grad_z, grad_C, grad_cum, None, *grad_states)
 
 
 def _inherited(C_k: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,40 @@
-"""Triton kernels for the tree scan's inherited-state correction (upstream: megatron/core/ssm/ops).
+"""Triton kernels for the tree scan's forked states (upstream: megatron/core/ssm/ops).
 
-:func:`tree_scan.tree_ssd_scan` adds, at every token ``t`` of a non-root segment,
+:func:`tree_scan.tree_ssd_scan` needs, besides the packed scan, two products between per-token
+tensors and per-parent [P, N] states, for every head h (group g(h)):
 
-    out[t, h] = y[t, h] + gate[t, h] * exp(cum[t, h]) * (C[t, g(h)] . state[parent(t), h])
+* the end state of every internal segment s, from its own tokens, (2) in tree_scan.py:
+  ``own[s, h] = sum_{t in s} w[t, h] * x[t, h]^T B[t, g]`` with ``w = exp(cum_end - cum) * dt``;
+* the inherited-state output at every child token t of parent s, (1) in tree_scan.py:
+  ``out[t, h] = y[t, h] + gate[t, h] * exp(cum[t, h]) * (C[t, g] . state[s, h])``.
 
-where ``state[parent, h]`` is the [P, N] SSM state at the end of the parent segment. In plain torch
-(``tree_scan._InheritedStateOutput``, the oracle) this is a handful of gathers, float32 temporaries
-as large as the layer output and batched GEMMs per parent; here it is one kernel forward and two
-backward, each reading the bf16 activations once.
+In plain torch (tree_scan.py, the oracle) these are per-parent loops of gathers, float32
+temporaries as large as the layer output and batched GEMMs. Here three kernels cover both
+products and their gradients, for every parent at once, reading the activations once:
+
+* :func:`_token_product_kernel` ``out[t, h] = [y[t, h] +] f(w[t, h]) * gate * (C[t, g] . S[s, h])``;
+* :func:`_token_grad_kernel`, for ``u[t, h] = (gate * v[t, h]) . S[s, h]`` ([N]):
+  ``dC[t, g] = sum_h f(w) * u``, ``dw[t, h] = f'(w) * sum_n u * C`` and the gate's gradient;
+* :func:`_state_sum_kernel` ``S'[s, h] = sum_t f(w[t, h]) * gate * v[t, h]^T C[t, g]``,
+
+with ``f = exp`` (log weights, the correction) or the identity (linear weights, the own states).
+The forward of the correction is a token product, its backward a token gradient and a state sum;
+the own states are a state sum, their backward a token product (dx) and a token gradient (dB, dw).
+
+Two small kernels feed them: :class:`SegmentDecay` (cum, cum_end and the input weights w from dt
+and A, float64 sums within each segment, one program per segment and head block walking its
+tokens) and :class:`StateChain` (``end[s] = own[s] + exp(cum_end[s]) * end[parent(s)]`` for all
+internal segments in one launch, parents first). Every step is thus a fixed number of launches per
+layer, however many segments the row has.
 
 Precision follows mamba_ssm's chunk scan, which passes states between chunks the same way: the
-float32 state is rounded to C's dtype and multiplied on tensor cores with float32 accumulation
-(``tl.dot``; TF32 for float32 inputs); decay, gate and sums are float32.
+float32 state (or weighted input) is rounded to the input dtype and multiplied on tensor cores with
+float32 accumulation (``tl.dot``; TF32 for float32 inputs); weights, gates and sums are float32.
 
-Work is split into blocks of :data:`TOKENS_PER_BLOCK` child tokens of one parent (a table built
-once per forest). Every output element is written by exactly one program and every reduction runs
-in a fixed order (the state gradient: a fixed split of each parent's child tokens, then a sum over
-the splits in index order), so results are bitwise reproducible; there are no atomics.
+Work is split into blocks of :data:`TOKENS_PER_BLOCK` tokens of one parent (tables built once per
+forest). Every output element is written by exactly one program and every reduction runs in a
+fixed order (a state sum: fixed splits of each parent's tokens, then the splits added in index
+order), so results are bitwise reproducible; there are no atomics.
 
 Shapes: T packed tokens, H heads in G groups (R = H / G heads per group), head dim P, state dim N,
 S internal (parent) segments.
@@ -34,39 +52,41 @@ from megatron.shared_prefix.tensors import ForestTensors
 # Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
 # pylint: disable=invalid-name
 
-TOKENS_PER_BLOCK = 64  # child tokens per program
-SPLIT_BLOCKS = 16  # token blocks summed by one program of the state-gradient kernel
+TOKENS_PER_BLOCK = 64  # tokens per program
+SPLIT_BLOCKS = 16  # token blocks summed by one program of the state sum
+SUM_BLOCK = 1024  # state elements per program when adding the splits
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
-class ChildBlocks:
-    """Work tables of one forest (built once, cached on it).
+class TokenBlocks:
+    """Work tables over one token list per parent slot (built once per forest, cached on it).
 
     Attributes:
-        tokens: [K] int64 child tokens grouped by parent slot (each parent's run ascending).
+        tokens: [K] int64 the lists concatenated, slot by slot.
         blocks: [3, NB] int32 per block: offset into ``tokens``, token count (at most
             TOKENS_PER_BLOCK), parent slot.
-        splits: [2, NS] int32 per split: first block, end block (exclusive); one parent per split.
-        slot_splits: per slot, (first split, end split).
+        splits: [2, NS] int32 per split: first block, end block (exclusive); one slot per split.
+        slot_splits: [2, S] int32 per slot: first split, end split (exclusive).
     """
 
     tokens: torch.Tensor
     blocks: torch.Tensor
     splits: torch.Tensor
-    slot_splits: tuple[tuple[int, int], ...]
+    slot_splits: torch.Tensor
 
     @classmethod
-    def of(cls, forest: ForestTensors, child_tokens: tuple[torch.Tensor, ...]) -> "ChildBlocks":
-        """The tables of ``forest`` whose parent slot ``i`` has children ``child_tokens[i]``."""
+    def of(cls, forest: ForestTensors, name: str, token_lists) -> "TokenBlocks":
+        """Tables of ``forest`` where slot ``i`` owns ``token_lists()[i]`` (built on first use,
+        cached on the forest as ``name``)."""
         return forest.derive(
-            ("inherited_state_blocks", TOKENS_PER_BLOCK, SPLIT_BLOCKS),
-            lambda: cls._build(forest.device, child_tokens),
+            ("token_blocks", name, TOKENS_PER_BLOCK, SPLIT_BLOCKS),
+            lambda: cls._build(forest.device, token_lists()),
         )
 
     @classmethod
-    def _build(cls, device, child_tokens) -> "ChildBlocks":
-        counts = np.array([len(c) for c in child_tokens], dtype=np.int64)
+    def _build(cls, device, token_lists) -> "TokenBlocks":
+        counts = np.array([len(tokens) for tokens in token_lists], dtype=np.int64)
         run_starts = np.cumsum(counts) - counts
         blocks, splits, slot_splits = [], [], []
         for slot, (start, count) in enumerate(zip(run_starts, counts)):
@@ -82,20 +102,21 @@ class ChildBlocks:
             ]
             slot_splits.append((first_split, len(splits)))
 
-        def table(rows):
-            return torch.tensor(np.array(rows, dtype=np.int32).T.copy(), device=device)
+        def table(rows, width):
+            array = np.array(rows, dtype=np.int32).reshape(-1, width)
+            return torch.from_numpy(array.T.copy()).to(device)
 
         return cls(
-            tokens=torch.cat(child_tokens) if child_tokens else torch.zeros(0, dtype=torch.int64),
-            blocks=table(blocks),
-            splits=table(splits),
-            slot_splits=tuple(slot_splits),
+            tokens=torch.cat(list(token_lists)).to(device),
+            blocks=table(blocks, 3),
+            splits=table(splits, 2),
+            slot_splits=table(slot_splits, 2),
         )
 
 
-def supported(y: torch.Tensor, C: torch.Tensor) -> bool:
-    """Whether the kernels handle these tensors (CUDA, or Triton's interpreter; float dtypes)."""
-    return y.dtype in SUPPORTED_DTYPES and C.dtype in SUPPORTED_DTYPES
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels handle these tensors' dtypes."""
+    return all(t.dtype in SUPPORTED_DTYPES for t in tensors)
 
 
 def _pow2(n: int) -> int:
@@ -103,9 +124,8 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _block_tokens(blocks_ptr, tokens_ptr, num_blocks, BLOCK_T: tl.constexpr):
-    """Token indices [BLOCK_T] (0 where masked), their mask and the parent slot of one block."""
-    block = tl.program_id(0)
+def _block(blocks_ptr, tokens_ptr, block, num_blocks, BLOCK_T: tl.constexpr):
+    """Token indices [BLOCK_T] (0 where masked), their mask and the parent slot of a block."""
     offset = tl.load(blocks_ptr + block)
     count = tl.load(blocks_ptr + num_blocks + block)
     slot = tl.load(blocks_ptr + 2 * num_blocks + block)
@@ -116,19 +136,45 @@ def _block_tokens(blocks_ptr, tokens_ptr, num_blocks, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _inherited_fwd_kernel(
-    out_ptr, y_ptr, z_ptr, C_ptr, cum_ptr, states_ptr, blocks_ptr, tokens_ptr,
+def _load_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, BLOCK_P: tl.constexpr):
+    """[BLOCK_T, BLOCK_P] float32 rows ``ptr[tokens, head, :]`` (0 where masked)."""
+    p = tl.arange(0, BLOCK_P)
+    return tl.load(
+        ptr + tokens[:, None] * stride_t + head * stride_h + p[None, :] * stride_p,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
+def _load_state(ptr, slot, head, stride_slot, stride_h, stride_p, stride_n, head_dim, state_dim,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """[BLOCK_P, BLOCK_N] float32 state ``ptr[slot, head]`` (0 outside [P, N])."""
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    return tl.load(
+        ptr + slot * stride_slot + head * stride_h + p[:, None] * stride_p
+        + n[None, :] * stride_n,
+        mask=(p[:, None] < head_dim) & (n[None, :] < state_dim),
+        other=0.0,
+    )  # fmt: skip
+
+
+@triton.jit
+def _token_product_kernel(
+    out_ptr, y_ptr, z_ptr, C_ptr, w_ptr, states_ptr, blocks_ptr, tokens_ptr,
     num_blocks, heads_per_group, head_dim, state_dim,
     stride_out_t, stride_out_h, stride_out_p,
     stride_y_t, stride_y_h, stride_y_p,
     stride_z_t, stride_z_h, stride_z_p,
     stride_C_t, stride_C_g, stride_C_n,
-    stride_cum_t, stride_cum_h,
+    stride_w_t, stride_w_h,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
-    HAS_Z: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_Y: tl.constexpr, HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (block, group): out = y + gate * exp(cum) * C . state for the group's heads."""
-    tokens, mask, slot = _block_tokens(blocks_ptr, tokens_ptr, num_blocks, BLOCK_T)
+    """Program (block, group): out = [y +] f(w) * gate * C . state, for the group's heads."""
+    tokens, mask, slot = _block(blocks_ptr, tokens_ptr, tl.program_id(0), num_blocks, BLOCK_T)
     group = tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
@@ -140,56 +186,49 @@ def _inherited_fwd_kernel(
     )
     for r in range(heads_per_group):
         head = group * heads_per_group + r
-        state = tl.load(
-            states_ptr + slot * stride_s_slot + head * stride_s_h
-            + p[:, None] * stride_s_p + n[None, :] * stride_s_n,
-            mask=(p[:, None] < head_dim) & (n[None, :] < state_dim),
-            other=0.0,
-        )  # fmt: skip
-        inherited = tl.dot(C, tl.trans(state.to(C.dtype)))  # [T, P] float32
-        decay = tl.exp(tl.load(cum_ptr + tokens * stride_cum_t + head * stride_cum_h, mask=mask))
-        correction = inherited * decay[:, None]
+        state = _load_state(states_ptr, slot, head, stride_s_slot, stride_s_h, stride_s_p,
+                            stride_s_n, head_dim, state_dim, BLOCK_P, BLOCK_N)  # fmt: skip
+        weight = tl.load(w_ptr + tokens * stride_w_t + head * stride_w_h, mask=mask, other=0.0)
+        if EXP_WEIGHT:
+            weight = tl.exp(weight)
+        result = tl.dot(C, tl.trans(state.to(C.dtype))) * weight[:, None]  # [T, P] float32
         if HAS_Z:
-            z = tl.load(
-                z_ptr + tokens[:, None] * stride_z_t + head * stride_z_h + p[None, :] * stride_z_p,
-                mask=mask_tp,
-                other=0.0,
-            ).to(tl.float32)
-            correction = correction * z * tl.sigmoid(z)
-        y = tl.load(
-            y_ptr + tokens[:, None] * stride_y_t + head * stride_y_h + p[None, :] * stride_y_p,
-            mask=mask_tp,
-            other=0.0,
-        ).to(tl.float32)
+            z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
+            result = result * z * tl.sigmoid(z)
+        if HAS_Y:
+            result += _load_tp(
+                y_ptr, tokens, head, stride_y_t, stride_y_h, stride_y_p, mask_tp, BLOCK_P
+            )
         tl.store(
             out_ptr + tokens[:, None] * stride_out_t + head * stride_out_h
             + p[None, :] * stride_out_p,
-            (y + correction).to(out_ptr.dtype.element_ty),
+            result.to(out_ptr.dtype.element_ty),
             mask=mask_tp,
         )  # fmt: skip
 
 
 @triton.jit
-def _inherited_bwd_tokens_kernel(
-    grad_C_ptr, grad_cum_ptr, grad_z_ptr, grad_out_ptr, z_ptr, C_ptr, cum_ptr, states_ptr,
+def _token_grad_kernel(
+    grad_C_ptr, grad_w_ptr, grad_z_ptr, v_ptr, z_ptr, C_ptr, w_ptr, states_ptr,
     blocks_ptr, tokens_ptr,
     num_blocks, heads_per_group, head_dim, state_dim,
-    stride_go_t, stride_go_h, stride_go_p,
+    stride_v_t, stride_v_h, stride_v_p,
     stride_z_t, stride_z_h, stride_z_p,
     stride_C_t, stride_C_g, stride_C_n,
-    stride_cum_t, stride_cum_h,
+    stride_w_t, stride_w_h,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
-    HAS_Z: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (block, group): gradients of C (summed over the group's heads), cum and z.
+    """Program (block, group), with u = (gate * v) . state ([T, N] per head):
+    dC = sum_heads f(w) * u, dw = f'(w) * sum_n u * C, dz = v * f(w) * (C . state) * silu'(z).
 
-    With g = d out * gate * exp(cum) ([T, P]) and u = g . state ([T, N]): d C = sum_heads u,
-    d cum = sum_n u * C (= sum_p g * (C . state)), d z = d out * (C . state) * exp(cum) * silu'(z).
-    grad_C, grad_cum and grad_z are contiguous [T, G, N], [T, H] and [T, H, P].
+    grad_C, grad_w and grad_z are contiguous [T, G, N], [T, H] and [T, H, P].
     """
-    tokens, mask, slot = _block_tokens(blocks_ptr, tokens_ptr, num_blocks, BLOCK_T)
+    tokens, mask, slot = _block(blocks_ptr, tokens_ptr, tl.program_id(0), num_blocks, BLOCK_T)
     group = tl.program_id(1)
-    num_heads = tl.num_programs(1) * heads_per_group
+    num_groups = tl.num_programs(1)
+    num_heads = num_groups * heads_per_group
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     mask_tp = mask[:, None] & (p[None, :] < head_dim)
@@ -202,40 +241,30 @@ def _inherited_bwd_tokens_kernel(
     grad_C = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for r in range(heads_per_group):
         head = group * heads_per_group + r
-        state = tl.load(
-            states_ptr + slot * stride_s_slot + head * stride_s_h
-            + p[:, None] * stride_s_p + n[None, :] * stride_s_n,
-            mask=(p[:, None] < head_dim) & (n[None, :] < state_dim),
-            other=0.0,
-        ).to(C.dtype)  # fmt: skip
-        decay = tl.exp(tl.load(cum_ptr + tokens * stride_cum_t + head * stride_cum_h, mask=mask))
-        grad = tl.load(
-            grad_out_ptr + tokens[:, None] * stride_go_t + head * stride_go_h
-            + p[None, :] * stride_go_p,
-            mask=mask_tp,
-            other=0.0,
-        ).to(tl.float32)  # fmt: skip
+        state = _load_state(states_ptr, slot, head, stride_s_slot, stride_s_h, stride_s_p,
+                            stride_s_n, head_dim, state_dim, BLOCK_P, BLOCK_N)  # fmt: skip
+        state = state.to(C.dtype)
+        weight = tl.load(w_ptr + tokens * stride_w_t + head * stride_w_h, mask=mask, other=0.0)
+        if EXP_WEIGHT:
+            weight = tl.exp(weight)
+        v = _load_tp(v_ptr, tokens, head, stride_v_t, stride_v_h, stride_v_p, mask_tp, BLOCK_P)
         if HAS_Z:
-            z = tl.load(
-                z_ptr + tokens[:, None] * stride_z_t + head * stride_z_h + p[None, :] * stride_z_p,
-                mask=mask_tp,
-                other=0.0,
-            ).to(tl.float32)
+            z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
             sigmoid = tl.sigmoid(z)
-            inherited = tl.dot(C, tl.trans(state))
-            grad_z = grad * inherited * decay[:, None] * (sigmoid * (1 + z * (1 - sigmoid)))
+            product = tl.dot(C, tl.trans(state))
+            grad_z = v * product * weight[:, None] * (sigmoid * (1 + z * (1 - sigmoid)))
             tl.store(
                 grad_z_ptr + (tokens[:, None] * num_heads + head) * head_dim + p[None, :],
                 grad_z.to(grad_z_ptr.dtype.element_ty),
                 mask=mask_tp,
             )
-            grad = grad * z * sigmoid
-        grad = grad * decay[:, None]
-        u = tl.dot(grad.to(C.dtype), state)  # [T, N] float32
-        grad_cum = tl.sum(u * C.to(tl.float32), axis=1)
-        tl.store(grad_cum_ptr + tokens * num_heads + head, grad_cum, mask=mask)
-        grad_C += u
-    num_groups = tl.num_programs(1)
+            v = v * z * sigmoid
+        u = tl.dot(v.to(C.dtype), state)  # [T, N] float32
+        grad_w = tl.sum(u * C.to(tl.float32), axis=1)
+        if EXP_WEIGHT:
+            grad_w = grad_w * weight
+        tl.store(grad_w_ptr + tokens * num_heads + head, grad_w, mask=mask)
+        grad_C += u * weight[:, None]
     tl.store(
         grad_C_ptr + (tokens[:, None] * num_groups + group) * state_dim + n[None, :],
         grad_C.to(grad_C_ptr.dtype.element_ty),
@@ -244,53 +273,40 @@ def _inherited_bwd_tokens_kernel(
 
 
 @triton.jit
-def _inherited_bwd_states_kernel(
-    partial_ptr, grad_out_ptr, z_ptr, C_ptr, cum_ptr, blocks_ptr, splits_ptr, tokens_ptr,
+def _state_sum_kernel(
+    partial_ptr, v_ptr, z_ptr, C_ptr, w_ptr, blocks_ptr, splits_ptr, tokens_ptr,
     num_blocks, num_splits, heads_per_group, head_dim, state_dim,
-    stride_go_t, stride_go_h, stride_go_p,
+    stride_v_t, stride_v_h, stride_v_p,
     stride_z_t, stride_z_h, stride_z_p,
     stride_C_t, stride_C_g, stride_C_n,
-    stride_cum_t, stride_cum_h,
-    HAS_Z: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_w_t, stride_w_h,
+    HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (split, head): partial[split, head] = sum over the split's tokens of g^T C ([P, N]),
-    g = d out * gate * exp(cum); blocks in ascending order. partial is contiguous [NS, H, P, N]."""
+    """Program (split, head): partial[split, head] = sum over the split's tokens, block by block in
+    ascending order, of (f(w) * gate * v)^T C ([P, N]). partial is contiguous [NS, H, P, N]."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     group = head // heads_per_group
-    first = tl.load(splits_ptr + split)
-    end = tl.load(splits_ptr + num_splits + split)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for block in range(first, end):
-        offset = tl.load(blocks_ptr + block)
-        count = tl.load(blocks_ptr + num_blocks + block)
-        mask = rows < count
-        tokens = tl.load(tokens_ptr + offset + rows, mask=mask, other=0)
+    for block in range(tl.load(splits_ptr + split), tl.load(splits_ptr + num_splits + split)):
+        tokens, mask, _ = _block(blocks_ptr, tokens_ptr, block, num_blocks, BLOCK_T)
         mask_tp = mask[:, None] & (p[None, :] < head_dim)
         C = tl.load(
             C_ptr + tokens[:, None] * stride_C_t + group * stride_C_g + n[None, :] * stride_C_n,
             mask=mask[:, None] & (n[None, :] < state_dim),
             other=0.0,
         )
-        grad = tl.load(
-            grad_out_ptr + tokens[:, None] * stride_go_t + head * stride_go_h
-            + p[None, :] * stride_go_p,
-            mask=mask_tp,
-            other=0.0,
-        ).to(tl.float32)  # fmt: skip
+        v = _load_tp(v_ptr, tokens, head, stride_v_t, stride_v_h, stride_v_p, mask_tp, BLOCK_P)
         if HAS_Z:
-            z = tl.load(
-                z_ptr + tokens[:, None] * stride_z_t + head * stride_z_h + p[None, :] * stride_z_p,
-                mask=mask_tp,
-                other=0.0,
-            ).to(tl.float32)
-            grad = grad * z * tl.sigmoid(z)
-        decay = tl.exp(tl.load(cum_ptr + tokens * stride_cum_t + head * stride_cum_h, mask=mask))
-        grad = (grad * decay[:, None]).to(C.dtype)
-        acc += tl.dot(tl.trans(grad), C)
+            z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
+            v = v * z * tl.sigmoid(z)
+        weight = tl.load(w_ptr + tokens * stride_w_t + head * stride_w_h, mask=mask, other=0.0)
+        if EXP_WEIGHT:
+            weight = tl.exp(weight)
+        acc += tl.dot(tl.trans((v * weight[:, None]).to(C.dtype)), C)
     num_heads = tl.num_programs(1)
     tl.store(
         partial_ptr + ((split * num_heads + head) * head_dim + p[:, None]) * state_dim + n[None, :],
@@ -299,77 +315,400 @@ def _inherited_bwd_states_kernel(
     )
 
 
+@triton.jit
+def _sum_splits_kernel(out_ptr, partial_ptr, slot_splits_ptr, num_slots, size,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    """Program (slot, chunk): out[slot] = sum of partial[first split .. end split) in order."""
+    slot = tl.program_id(0)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    first = tl.load(slot_splits_ptr + slot)
+    for split in range(first, tl.load(slot_splits_ptr + num_slots + slot)):
+        acc += tl.load(partial_ptr + split * size + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + slot * size + offsets, acc, mask=mask)
+
+
+@triton.jit
+def _segment_program(A_ptr, starts_ptr, lengths_ptr, segment, num_heads, BLOCK_H: tl.constexpr):
+    """This program's heads [BLOCK_H], their mask, A (float64), and its segment's start and
+    length."""
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    A = tl.load(A_ptr + heads, mask=head_mask, other=0.0).to(tl.float64)
+    return heads, head_mask, A, tl.load(starts_ptr + segment), tl.load(lengths_ptr + segment)
+
+
+@triton.jit
+def _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask, stride_dt_t, stride_dt_h,
+                   BLOCK_T: tl.constexpr):  # fmt: skip
+    """Tokens [BLOCK_T], mask [BLOCK_T, BLOCK_H], dt (float32) and a = dt * A (float64, 0 where
+    masked) of one block of a segment's tokens."""
+    rows = tl.arange(0, BLOCK_T)
+    tokens = start + offset + rows
+    mask = ((offset + rows) < length)[:, None] & head_mask[None, :]
+    dt = tl.load(
+        dt_ptr + tokens[:, None] * stride_dt_t + heads[None, :] * stride_dt_h, mask=mask, other=0.0
+    )
+    return tokens, mask, dt, tl.where(mask, dt.to(tl.float64) * A[None, :], 0.0)
+
+
+@triton.jit
+def _segment_decay_fwd_kernel(
+    cum_ptr, weight_ptr, cum_end_ptr, dt_ptr, A_ptr, starts_ptr, lengths_ptr,
+    num_heads, stride_dt_t, stride_dt_h,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (segment, head block): with a = dt * A (float64) summed within the segment,
+    cum[t] = sum_{u <= t} a, cum_end = sum over the segment, input weight[t] = exp(cum_end - cum[t])
+    * dt[t]. cum and weight are contiguous [T, H] float32, cum_end [S, H] float32."""
+    segment = tl.program_id(0)
+    heads, head_mask, A, start, length = _segment_program(
+        A_ptr, starts_ptr, lengths_ptr, segment, num_heads, BLOCK_H
+    )
+    carry = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    for offset in range(0, length, BLOCK_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+                                             stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
+        cum = tl.cumsum(a, axis=0) + carry[None, :]
+        tl.store(
+            cum_ptr + tokens[:, None] * num_heads + heads[None, :], cum.to(tl.float32), mask=mask
+        )
+        carry += tl.sum(a, axis=0)
+    tl.store(cum_end_ptr + segment * num_heads + heads, carry.to(tl.float32), mask=head_mask)
+    running = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    for offset in range(0, length, BLOCK_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+                                             stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
+        cum = tl.cumsum(a, axis=0) + running[None, :]
+        to_end = (carry[None, :] - cum).to(tl.float32)
+        tl.store(
+            weight_ptr + tokens[:, None] * num_heads + heads[None, :],
+            tl.exp(to_end) * dt,
+            mask=mask,
+        )
+        running += tl.sum(a, axis=0)
+
+
+@triton.jit
+def _segment_decay_bwd_kernel(
+    grad_dt_ptr, grad_A_partial_ptr, grad_cum_ptr, grad_weight_ptr, grad_cum_end_ptr,
+    dt_ptr, A_ptr, starts_ptr, lengths_ptr,
+    num_heads, stride_dt_t, stride_dt_h,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (segment, head block), gradients of :func:`_segment_decay_fwd_kernel`. With
+    g_te[t] = d weight[t] * weight[t] (the gradient of cum_end - cum[t]):
+    d a[u] = sum_{t >= u} d cum[t] + sum_{t < u} g_te[t] + d cum_end, d dt = d a * A + d weight *
+    exp(cum_end - cum), and per segment d A = sum_u d a[u] * dt[u] (grad_A_partial [S, H], float32,
+    summed over segments by the caller). Float64 sums; grad_dt contiguous [T, H] float32."""
+    segment = tl.program_id(0)
+    heads, head_mask, A, start, length = _segment_program(
+        A_ptr, starts_ptr, lengths_ptr, segment, num_heads, BLOCK_H
+    )
+    total = tl.zeros((BLOCK_H,), dtype=tl.float64)  # cum_end, recomputed in float64
+    grad_cum_total = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    for offset in range(0, length, BLOCK_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+                                             stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
+        total += tl.sum(a, axis=0)
+        grad_cum = tl.load(
+            grad_cum_ptr + tokens[:, None] * num_heads + heads[None, :], mask=mask, other=0.0
+        )
+        grad_cum_total += tl.sum(grad_cum.to(tl.float64), axis=0)
+    # d a[u] at the segment's first token; the loop adds the prefixes of later tokens.
+    grad_cum_end = tl.load(
+        grad_cum_end_ptr + segment * num_heads + heads, mask=head_mask, other=0.0
+    )
+    carry = grad_cum_total + grad_cum_end.to(tl.float64)
+    cum_before = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    grad_A = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    for offset in range(0, length, BLOCK_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+                                             stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
+        index = tokens[:, None] * num_heads + heads[None, :]
+        cum = tl.cumsum(a, axis=0) + cum_before[None, :]
+        decay = tl.exp((total[None, :] - cum).to(tl.float32))
+        grad_weight = tl.load(grad_weight_ptr + index, mask=mask, other=0.0)
+        grad_to_end = (grad_weight * decay * dt).to(tl.float64)
+        grad_cum = tl.load(grad_cum_ptr + index, mask=mask, other=0.0).to(tl.float64)
+        # exclusive prefixes within the block: sum_{t < u} of (g_te - d cum)
+        step = grad_to_end - grad_cum
+        grad_a = carry[None, :] + tl.cumsum(step, axis=0) - step
+        grad_dt = grad_a * A[None, :] + (grad_weight * decay).to(tl.float64)
+        tl.store(grad_dt_ptr + index, grad_dt.to(tl.float32), mask=mask)
+        grad_A += tl.sum(tl.where(mask, grad_a * dt.to(tl.float64), 0.0), axis=0)
+        carry += tl.sum(step, axis=0)
+        cum_before += tl.sum(a, axis=0)
+    tl.store(
+        grad_A_partial_ptr + segment * num_heads + heads, grad_A.to(tl.float32), mask=head_mask
+    )
+
+
+@triton.jit
+def _chain_fwd_kernel(ends_ptr, own_ptr, cum_end_ptr, slot_segment_ptr, slot_parent_ptr,
+                      num_slots, num_heads, size, BLOCK: tl.constexpr):  # fmt: skip
+    """Program (head, chunk): ends[s] = own[s] + exp(cum_end[segment(s)]) * ends[parent(s)], slots
+    in increasing order (parents first). ends, own: contiguous [S, H, size]."""
+    head = tl.program_id(0)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < size
+    for slot in range(num_slots):
+        value = tl.load(own_ptr + (slot * num_heads + head) * size + offsets, mask=mask)
+        parent = tl.load(slot_parent_ptr + slot)
+        if parent >= 0:
+            decay = tl.exp(
+                tl.load(cum_end_ptr + tl.load(slot_segment_ptr + slot) * num_heads + head)
+            )
+            value += decay * tl.load(
+                ends_ptr + (parent * num_heads + head) * size + offsets, mask=mask
+            )
+        tl.store(ends_ptr + (slot * num_heads + head) * size + offsets, value, mask=mask)
+
+
+@triton.jit
+def _chain_bwd_kernel(grad_own_ptr, grad_decay_partial_ptr, grad_ends_ptr, ends_ptr, cum_end_ptr,
+                      slot_segment_ptr, slot_parent_ptr, num_slots, num_heads, size,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """Program (head, chunk), slots in decreasing order: grad_own[s] = d ends[s] + the part its
+    children passed up; a child passes exp(cum_end) * grad_own[child] to its parent, and
+    grad_decay_partial[s, head, chunk] = sum over the chunk of grad_own[s] * ends[parent(s)]."""
+    head = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < size
+    for index in range(num_slots):
+        slot = num_slots - 1 - index
+        here = (slot * num_heads + head) * size + offsets
+        grad = tl.load(grad_own_ptr + here, mask=mask) + tl.load(grad_ends_ptr + here, mask=mask)
+        tl.store(grad_own_ptr + here, grad, mask=mask)
+        parent = tl.load(slot_parent_ptr + slot)
+        partial = 0.0
+        if parent >= 0:
+            there = (parent * num_heads + head) * size + offsets
+            decay = tl.exp(
+                tl.load(cum_end_ptr + tl.load(slot_segment_ptr + slot) * num_heads + head)
+            )
+            partial = tl.sum(grad * tl.load(ends_ptr + there, mask=mask, other=0.0), axis=0)
+            tl.store(
+                grad_own_ptr + there,
+                tl.load(grad_own_ptr + there, mask=mask) + decay * grad,
+                mask=mask,
+            )
+        tl.store(
+            grad_decay_partial_ptr + (slot * num_heads + head) * tl.num_programs(1) + chunk, partial
+        )
+
+
 def _strides(tensor, dims):
     return tuple(tensor.stride()) if tensor is not None else (0,) * dims
 
 
-def inherited_state_output(y, z, C, cum, states, tables: ChildBlocks):
-    """out = y with the inherited-state correction at every child token (forward kernel).
+def _sizes(values, C):
+    heads, head_dim = values.shape[1:]
+    groups, state_dim = C.shape[1:]
+    return (
+        heads,
+        head_dim,
+        groups,
+        state_dim,
+        {"BLOCK_P": _pow2(head_dim), "BLOCK_N": _pow2(state_dim)},
+    )
 
-    y [T, H, P], z [T, H, P] or None, C [T, G, N], cum [T, H] float32, states [S, H, P, N]
-    float32 contiguous. Returns out [T, H, P] in y's dtype.
-    """
-    out = y.clone()
+
+def token_product(y, z, C, w, states, tables: TokenBlocks, *, exp_weight, out):
+    """Write ``[y +] f(w) * gate(z) * C . states[slot]`` into ``out`` ([T, H, P]) at the tokens of
+    ``tables``. y, z: [T, H, P] or None; C [T, G, N]; w [T, H] float32; states [S, H, P, N]."""
     num_blocks = tables.blocks.shape[1]
     if num_blocks == 0:
         return out
-    groups = C.shape[1]
-    heads, head_dim = y.shape[1:]
-    _inherited_fwd_kernel[(num_blocks, groups)](
-        out, y, z if z is not None else y, C, cum, states, tables.blocks, tables.tokens,
-        num_blocks, heads // groups, head_dim, C.shape[2],
-        *out.stride(), *y.stride(), *_strides(z, 3), *C.stride(), *cum.stride(), *states.stride(),
-        HAS_Z=z is not None, BLOCK_T=TOKENS_PER_BLOCK,
-        BLOCK_P=_pow2(head_dim), BLOCK_N=_pow2(C.shape[2]),
+    heads, head_dim, groups, state_dim, sizes = _sizes(out, C)
+    _token_product_kernel[(num_blocks, groups)](
+        out, y if y is not None else out, z if z is not None else out, C, w, states,
+        tables.blocks, tables.tokens,
+        num_blocks, heads // groups, head_dim, state_dim,
+        *out.stride(), *_strides(y, 3), *_strides(z, 3), *C.stride(), *w.stride(),
+        *states.stride(),
+        HAS_Y=y is not None, HAS_Z=z is not None, EXP_WEIGHT=exp_weight,
+        BLOCK_T=TOKENS_PER_BLOCK, **sizes,
     )  # fmt: skip
     return out
 
 
-def inherited_state_output_backward(grad_out, z, C, cum, states, tables: ChildBlocks, needs):
-    """Gradients (z, C, cum, states) of :func:`inherited_state_output`; y's is ``grad_out``.
-
-    ``needs`` is (z, C, cum, states) flags; an unneeded gradient is returned as None.
-    Returns grad_z [T, H, P] (z's dtype), grad_C [T, G, N] (C's dtype), grad_cum [T, H] float32,
-    grad_states [S, H, P, N] float32; zero at tokens outside every parent's children.
-    """
-    need_z, need_C, need_cum, need_states = needs
-    length, heads, head_dim = grad_out.shape
-    groups, state_dim = C.shape[1:]
-    num_blocks = tables.blocks.shape[1]
-    num_splits = tables.splits.shape[1]
-    has_z = z is not None
-    grad_z = torch.zeros(length, heads, head_dim, dtype=z.dtype, device=z.device) if has_z else None
+def token_grad(v, z, C, w, states, tables: TokenBlocks, *, exp_weight):
+    """(dC [T, G, N] in C's dtype, dw [T, H] float32, dz [T, H, P] in z's dtype or None) of
+    :func:`token_product` given v = its output gradient; zero outside the tables' tokens."""
+    heads, head_dim, groups, state_dim, sizes = _sizes(v, C)
+    length = v.shape[0]
     grad_C = torch.zeros(length, groups, state_dim, dtype=C.dtype, device=C.device)
-    grad_cum = torch.zeros(length, heads, dtype=torch.float32, device=C.device)
-    common = {
-        "HAS_Z": has_z,
-        "BLOCK_T": TOKENS_PER_BLOCK,
-        "BLOCK_P": _pow2(head_dim),
-        "BLOCK_N": _pow2(state_dim),
-    }
-    if num_blocks and (need_z or need_C or need_cum):
-        _inherited_bwd_tokens_kernel[(num_blocks, groups)](
-            grad_C, grad_cum, grad_z if has_z else grad_cum, grad_out, z if has_z else grad_out,
-            C, cum, states, tables.blocks, tables.tokens,
-            num_blocks, heads // groups, head_dim, state_dim,
-            *grad_out.stride(), *_strides(z, 3), *C.stride(), *cum.stride(), *states.stride(),
-            **common,
-        )  # fmt: skip
-    grad_states = None
-    if need_states:
-        partial = torch.zeros(num_splits, heads, head_dim, state_dim, device=C.device)
-        if num_splits:
-            _inherited_bwd_states_kernel[(num_splits, heads)](
-                partial, grad_out, z if has_z else grad_out, C, cum, tables.blocks,
-                tables.splits, tables.tokens,
-                num_blocks, num_splits, heads // groups, head_dim, state_dim,
-                *grad_out.stride(), *_strides(z, 3), *C.stride(), *cum.stride(),
-                **common,
-            )  # fmt: skip
-        grad_states = torch.stack([partial[a:b].sum(0) for a, b in tables.slot_splits])
-    return (
-        grad_z if need_z else None,
-        grad_C if need_C else None,
-        grad_cum.to(cum.dtype) if need_cum else None,
-        grad_states,
+    grad_w = torch.zeros(length, heads, dtype=torch.float32, device=C.device)
+    grad_z = (
+        None if z is None else torch.zeros(length, heads, head_dim, dtype=z.dtype, device=z.device)
     )
+    num_blocks = tables.blocks.shape[1]
+    if num_blocks:
+        _token_grad_kernel[(num_blocks, groups)](
+            grad_C, grad_w, grad_z if z is not None else grad_w, v, z if z is not None else v,
+            C, w, states, tables.blocks, tables.tokens,
+            num_blocks, heads // groups, head_dim, state_dim,
+            *v.stride(), *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
+            HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+        )  # fmt: skip
+    return grad_C, grad_w, grad_z
+
+
+def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
+    """[S, H, P, N] float32: per slot, the sum over its tokens of (f(w) * gate(z) * v)^T C."""
+    heads, head_dim, _, state_dim, sizes = _sizes(v, C)
+    num_blocks, num_splits = tables.blocks.shape[1], tables.splits.shape[1]
+    num_slots = tables.slot_splits.shape[1]
+    partial = torch.zeros(num_splits, heads, head_dim, state_dim, device=C.device)
+    if num_splits:
+        _state_sum_kernel[(num_splits, heads)](
+            partial, v, z if z is not None else v, C, w, tables.blocks, tables.splits,
+            tables.tokens,
+            num_blocks, num_splits, heads // C.shape[1], head_dim, state_dim,
+            *v.stride(), *_strides(z, 3), *C.stride(), *w.stride(),
+            HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+        )  # fmt: skip
+    size = heads * head_dim * state_dim
+    out = torch.empty(num_slots, heads, head_dim, state_dim, device=C.device)
+    _sum_splits_kernel[(num_slots, triton.cdiv(size, SUM_BLOCK))](
+        out, partial, tables.slot_splits, num_slots, size, BLOCK=SUM_BLOCK
+    )
+    return out
+
+
+class OwnStates(torch.autograd.Function):  # pylint: disable=abstract-method
+    """own [S, H, P, N] float32: per internal segment, sum over its tokens of w * x^T B.
+
+    Inputs: x [T, H, P], w [T, H] float32 (the input weights of (2)), B [T, G, N], tables over each
+    internal segment's own tokens.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, B, tables):  # pylint: disable=arguments-differ
+        ctx.tables = tables
+        ctx.save_for_backward(x, w, B)
+        return state_sum(x, None, B, w, tables, exp_weight=False)
+
+    @staticmethod
+    def backward(ctx, grad_own):  # pylint: disable=arguments-differ
+        x, w, B = ctx.saved_tensors
+        grad_own = grad_own.contiguous()
+        grad_x = token_product(
+            None, None, B, w, grad_own, ctx.tables, exp_weight=False, out=torch.zeros_like(x)
+        )
+        grad_B, grad_w, _ = token_grad(x, None, B, w, grad_own, ctx.tables, exp_weight=False)
+        return grad_x, grad_w, grad_B, None
+
+
+class InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstract-method
+    """y with ``gate * exp(cum) * (C . states[parent])`` added at every child token, (1).
+
+    Inputs: y [T, H, P], z [T, H, P] or None, C [T, G, N], cum [T, H] float32, states
+    [S, H, P, N] float32 (the parents' end states), tables over each parent's child tokens.
+    Nothing of size [children, H, P] is kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, y, z, C, cum, states, tables):  # pylint: disable=arguments-differ
+        ctx.tables = tables
+        ctx.save_for_backward(z, C, cum, states)
+        return token_product(y, z, C, cum, states, tables, exp_weight=True, out=y.clone())
+
+    @staticmethod
+    def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+        z, C, cum, states = ctx.saved_tensors
+        grad_C, grad_cum, grad_z = token_grad(
+            grad_out, z, C, cum, states, ctx.tables, exp_weight=True
+        )
+        grad_states = state_sum(grad_out, z, C, cum, ctx.tables, exp_weight=True)
+        return grad_out, grad_z, grad_C, grad_cum, grad_states, None
+
+
+DECAY_BLOCK_T = 64  # tokens per step of the segment walk
+DECAY_BLOCK_H = 16  # heads per program of the segment walk
+
+
+class SegmentDecay(torch.autograd.Function):  # pylint: disable=abstract-method
+    """(cum [T, H], input_weight [T, H], cum_end [S, H]), float32, of (1)-(2) in tree_scan.py.
+
+    With a = dt * A summed in float64 within each segment: cum[t] = the sum up to t, cum_end = the
+    segment's sum, input_weight[t] = exp(cum_end - cum[t]) * dt[t]. One program per (segment,
+    head block) walks its segment (no [T, H] float64 temporaries, no gathers).
+
+    Inputs: dt [T, H] float32 (processed step sizes), A [H] float32, segment_starts and
+    segment_lengths [S] int64 covering every token.
+    """
+
+    @staticmethod
+    def forward(ctx, dt, A, segment_starts, segment_lengths):  # pylint: disable=arguments-differ
+        length, heads = dt.shape
+        segments = segment_starts.shape[0]
+        cum = torch.empty(length, heads, dtype=torch.float32, device=dt.device)
+        weight = torch.empty_like(cum)
+        cum_end = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
+        grid = (segments, triton.cdiv(heads, DECAY_BLOCK_H))
+        _segment_decay_fwd_kernel[grid](
+            cum, weight, cum_end, dt, A, segment_starts, segment_lengths, heads, *dt.stride(),
+            BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+        )  # fmt: skip
+        ctx.save_for_backward(dt, A, segment_starts, segment_lengths)
+        return cum, weight, cum_end
+
+    @staticmethod
+    def backward(ctx, grad_cum, grad_weight, grad_cum_end):  # pylint: disable=arguments-differ
+        dt, A, segment_starts, segment_lengths = ctx.saved_tensors
+        length, heads = dt.shape
+        segments = segment_starts.shape[0]
+
+        def dense(grad, *shape):
+            return torch.zeros(*shape, device=dt.device) if grad is None else grad.contiguous()
+
+        grad_dt = torch.empty(length, heads, dtype=torch.float32, device=dt.device)
+        grad_A_partial = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
+        grid = (segments, triton.cdiv(heads, DECAY_BLOCK_H))
+        _segment_decay_bwd_kernel[grid](
+            grad_dt, grad_A_partial, dense(grad_cum, length, heads),
+            dense(grad_weight, length, heads), dense(grad_cum_end, segments, heads),
+            dt, A, segment_starts, segment_lengths, heads, *dt.stride(),
+            BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+        )  # fmt: skip
+        return grad_dt, grad_A_partial.sum(0), None, None
+
+
+class StateChain(torch.autograd.Function):  # pylint: disable=abstract-method
+    """ends [S, H, P, N] float32: ``ends[s] = own[s] + exp(cum_end[segment(s)]) * ends[parent(s)]``
+    (parents first; a root's end state is its own), in one kernel launch for all internal segments.
+
+    Inputs: own [S, H, P, N] float32 contiguous, cum_end [segments, H] float32, slot_segment [S]
+    int64 (the segment of each slot), slot_parent [S] int64 (the parent's slot, -1 for a root).
+    """
+
+    @staticmethod
+    def forward(ctx, own, cum_end, slot_segment, slot_parent):  # pylint: disable=arguments-differ
+        slots, heads = own.shape[:2]
+        size = own[0, 0].numel()
+        ends = torch.empty_like(own)
+        _chain_fwd_kernel[(heads, triton.cdiv(size, SUM_BLOCK))](
+            ends, own, cum_end, slot_segment, slot_parent, slots, heads, size, BLOCK=SUM_BLOCK
+        )
+        ctx.save_for_backward(ends, cum_end, slot_segment, slot_parent)
+        return ends
+
+    @staticmethod
+    def backward(ctx, grad_ends):  # pylint: disable=arguments-differ
+        ends, cum_end, slot_segment, slot_parent = ctx.saved_tensors
+        slots, heads = ends.shape[:2]
+        size = ends[0, 0].numel()
+        chunks = triton.cdiv(size, SUM_BLOCK)
+        grad_own = torch.zeros_like(ends)
+        grad_decay = torch.empty(slots, heads, chunks, device=ends.device)
+        _chain_bwd_kernel[(heads, chunks)](
+            grad_own, grad_decay, grad_ends.contiguous(), ends, cum_end, slot_segment, slot_parent,
+            slots, heads, size, BLOCK=SUM_BLOCK,
+        )  # fmt: skip
+        slot_grad = grad_decay.sum(-1) * torch.exp(cum_end[slot_segment])  # [S, H]
+        grad_cum_end = torch.zeros_like(cum_end).index_put((slot_segment,), slot_grad)
+        return grad_own, grad_cum_end, None, None

@@ -121,7 +121,8 @@ ENTRIES = [
         kind="torch.compile",
         training_path=True,
         notes=(
-            "Tree attention on CUDA: flex_attention compiled by inductor into a Triton kernel, "
+            "Tree attention on CUDA: flex_attention compiled by inductor (static shapes, one "
+            "compile per row-length bucket) into a Triton kernel, "
             "with a block mask built from the forest. GPU: forward and backward replayed in bf16 "
             "with GQA, compiled (Dynamo re-enabled inside the test), 3 runs with concurrent stream "
             "work. CPU: FlexAttention has no CPU backward and CPU training uses torch_backend, so "
@@ -148,21 +149,23 @@ ENTRIES = [
         ),
     ),
     KernelEntry(
-        name="tree_scan_inherited_state",
+        name="tree_scan_forked_states",
         sources=("megatron/shared_prefix/ssm/triton_inherited_state.py",),
         tests=(
-            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_inherited_state_kernels_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_forked_state_kernels_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_scan_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
         ),
         kind="triton",
         training_path=True,
         notes=(
-            "Fused forward and backward of the tree scan's inherited-state correction on CUDA "
-            "(next to mamba_ssm's Triton scan). Every output element is written by one program; "
-            "the state gradient is a fixed split of each parent's child tokens summed in index "
-            "order by torch; no atomics. GPU replay in fp32 and bf16, with and without the gate, "
-            "on a row whose parents span several splits; CPU runs only the torch oracle."
+            "The tree scan's own states of internal segments and inherited-state correction on "
+            "CUDA (next to mamba_ssm's Triton scan), forward and backward. Every output element "
+            "is written by one program; state sums run over fixed splits of each parent's tokens, "
+            "added in index order by a second kernel; no atomics. GPU replay in fp32 and bf16, "
+            "with and without the gate, on a depth-3 row and a row whose parents span several "
+            "splits; on CPU only the torch oracle runs (the interpreted kernels are checked "
+            "against it in tests/unit_tests/ssm)."
         ),
     ),
     KernelEntry(

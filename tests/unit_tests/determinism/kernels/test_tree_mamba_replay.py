@@ -165,36 +165,34 @@ def test_tree_mamba_mixer_replay(megatron_world, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("gate", [True, False], ids=["z", "no-z"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_inherited_state_kernels_replay(gate, dtype):
-    """The fused Triton correction alone, on the long star: each parent's children span many
-    token blocks and several state-gradient splits, so the fixed-order split sum is exercised."""
-    from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, _InheritedStateOutput
-    from megatron.shared_prefix.ssm.triton_inherited_state import ChildBlocks
+@pytest.mark.parametrize("row", sorted(FORESTS))
+def test_forked_state_kernels_replay(gate, dtype, row):
+    """The fused Triton log-decay, own states, parent chain and correction alone (tree_scan's
+    _fused_correction). On the long star each parent's tokens span several state-sum splits, so the
+    fixed-order split sums run; the depth-3 row chains states through parents."""
+    from megatron.shared_prefix.ssm import triton_inherited_state
+    from megatron.shared_prefix.ssm.tree_scan import _fused_correction
 
-    forest = long_star_forest("cuda")
-    plan = TreeScanPlan.of(forest)
-    tables = ChildBlocks.of(forest, plan.child_tokens)
-    assert max(b - a for a, b in tables.slot_splits) > 1
+    forest = FORESTS[row]("cuda")
     length, groups, heads, head_dim, state = forest.num_tokens, 2, 8, 64, 128
+    if row == "long-star":
+        assert 1500 > triton_inherited_state.TOKENS_PER_BLOCK * triton_inherited_state.SPLIT_BLOCKS
 
     def make_inputs():
-        leaf = lambda *shape: torch.randn(*shape, device="cuda").to(dtype).requires_grad_()
+        def leaf(*shape, dtype=dtype, scale=1.0):
+            return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_()
+
         return (
+            leaf(length, heads, head_dim),  # x
+            leaf(length, groups, state),  # B
+            leaf(length, groups, state),  # C
             leaf(length, heads, head_dim),  # y
             leaf(length, heads, head_dim),  # z
-            leaf(length, groups, state),  # C
-            (-torch.rand(length, heads, device="cuda") * 3).requires_grad_(),  # cum
-            *(
-                (
-                    torch.randn(groups, heads // groups, head_dim, state, device="cuda") * 0.1
-                ).requires_grad_()
-                for _ in plan.child_tokens
-            ),
+            (torch.rand(length, heads, device="cuda") * 0.2).requires_grad_(),  # processed dt
+            (-torch.rand(heads, device="cuda") - 0.2).requires_grad_(),  # A
         )
 
-    def fn(y, z, C, cum, *states):
-        return _InheritedStateOutput.apply(
-            y, z if gate else None, C, cum, plan.child_tokens, tables, *states
-        )
+    def fn(x, B, C, y, z, dt, A):
+        return _fused_correction(x, B, C, y, z if gate else None, dt, A, forest)
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)
