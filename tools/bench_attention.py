@@ -6,12 +6,14 @@ For each forest it times, in one process on one GPU:
   (every leaf sequence, all of the same length, as [G, H, L, D]);
 * tree: our FlexAttention path (flex_backend): the block mask built from the forest, the row padded
   to its length bucket and FlexAttention compiled with static shapes;
-* flex-stock: what a user would write: the same mask_mod with the block mask from
-  ``create_block_mask``, and ``torch.compile(flex_attention)`` with default arguments, called on
-  permuted views of the same [T, 1, H, D] layout as megatron-core's core attention (so both rows
-  include the layout conversion a Megatron layer needs). One compiled wrapper serves every forest,
-  as in a training loop: Dynamo specializes on the first forest's length and, from the second
-  length on, compiles with a dynamic length (automatic dynamic shapes);
+* stock FlexAttention, what a user would write: the same mask_mod with the block mask from
+  ``create_block_mask``, called on permuted views of the same [T, 1, H, D] layout as megatron-core's
+  core attention (so every row includes the layout conversion a Megatron layer needs), compiled two
+  ways: "flex static", specialized on this row's exact length (``torch.compile(flex_attention)``
+  on its first shape: the fastest stock kernel, but one compile per distinct row length), and "flex
+  dynamic" (``dynamic=True``: what ``torch.compile`` falls back to once a training loop has seen a
+  second row length). Dynamo's caches are reset before each forest, so each forest compiles afresh
+  and no cache fills up;
 * ideal: the attention-pair ratio (query-key pairs of the dense batch / of the tree) and the token
   ratio (dense tokens / tree tokens), the speedups an exact implementation could reach.
 
@@ -39,9 +41,10 @@ from megatron.shared_prefix.tensors import ForestTensors
 
 SECTION = "Tree attention (tools/bench_attention.py)"
 
-# One wrapper for all forests: every torch.compile wrapper adds cache entries on flex_attention's
-# code object, and past Dynamo's recompile limit flex_attention would run eagerly.
-stock_flex_attention = torch.compile(flex_attention)
+STOCK_COMPILES = {
+    "flex static": lambda: torch.compile(flex_attention, dynamic=False),
+    "flex dynamic": lambda: torch.compile(flex_attention, dynamic=True),
+}
 
 
 def forward_backward(attend, *inputs):
@@ -78,13 +81,7 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
         repeats,
     )
     tree_qkv = [make(layout.num_tokens, 1, heads, head_dim) for _ in range(3)]
-    tree = cuda_time_ms(
-        forward_backward(
-            lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
-            *tree_qkv,
-        ),
-        repeats,
-    )
+    torch._dynamo.reset()  # pylint: disable=protected-access
     stock_mask = create_block_mask(
         flex_backend.tree_mask_mod(forest.token_subtree_end),
         None,
@@ -94,21 +91,35 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
         device="cuda",
     )
 
-    def stock_attention(q, k, v):
-        out = stock_flex_attention(
-            *(t.permute(1, 2, 0, 3) for t in (q, k, v)), block_mask=stock_mask, scale=scale
-        )
-        return out.permute(2, 0, 1, 3).reshape(layout.num_tokens, 1, heads * head_dim)
+    def stock_attention(compiled):
+        def attend(q, k, v):
+            out = compiled(
+                *(t.permute(1, 2, 0, 3) for t in (q, k, v)), block_mask=stock_mask, scale=scale
+            )
+            return out.permute(2, 0, 1, 3).reshape(layout.num_tokens, 1, heads * head_dim)
 
-    stock = cuda_time_ms(forward_backward(stock_attention, *tree_qkv), repeats)
+        return attend
+
+    stock = {
+        key: cuda_time_ms(forward_backward(stock_attention(compile_()), *tree_qkv), repeats)
+        for key, compile_ in STOCK_COMPILES.items()
+    }
+    tree = cuda_time_ms(
+        forward_backward(
+            lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
+            *tree_qkv,
+        ),
+        repeats,
+    )
     return {
         "forest": name,
-        "tokens dense/tree": f"{len(sequences) * length}/{real}",
+        "tokens dense/tree (row)": f"{len(sequences) * length}/{real} ({layout.num_tokens})",
+        "bucket": flex_backend.bucket_length(layout.num_tokens),
         "dense SDPA ms": dense,
         "tree ms": tree,
-        "flex-stock ms": stock,
+        **{f"{key} ms": value for key, value in stock.items()},
         "tree speedup": dense / tree,
-        "flex-stock speedup": dense / stock,
+        **{f"tree / {key}": tree / value for key, value in stock.items()},
         "ideal (pairs)": dense_pairs / tree_pairs,
         "token ratio": len(sequences) * length / real,
         "tree / ideal": (dense / tree) / (dense_pairs / tree_pairs),
@@ -123,7 +134,11 @@ def markdown(rows, command):
         "",
         f"Command: `{command}`",
         "",
-        f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward.",
+        f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward. tree: flex_backend "
+        "(static compile per row-length bucket; rows that are not a bucket are padded); flex "
+        "static: stock FlexAttention compiled for this exact length; flex dynamic: stock with a "
+        "dynamic length, what torch.compile uses once a loop has seen a second row length; "
+        "tree / ideal = (dense / tree) / ideal pair ratio.",
         "",
     ]
     lines.append("| " + " | ".join(columns) + " |")

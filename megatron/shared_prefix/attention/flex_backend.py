@@ -14,9 +14,9 @@ strictly after ``j`` that end before ``min end_k``.
 FlexAttention is compiled once per process with static shapes, for the row length rounded up to a
 bucket (``bucket_length``). In an H200 experiment on 2026-11-29 (bf16, 32 heads x 128, star forest
 P=4096 C=1024 G=16, T=20480, forward+backward) a dynamic-shape compile took 16.9 ms; a static one
-took 13.3 ms from the permuted [T, 1, H, D] view and 12.8 ms from contiguous [1, H, T, D] inputs
-(hence the one copy into padded [1, H, T_bucket, D] below); probably the static kernel relies on a
-length divisible by its block sizes. Each bucket compiles once; buckets are few (at most four per
+took 13.3 ms from the permuted [T, 1, H, D] view (what runs here; contiguous [1, H, T, D] inputs
+took 12.8 ms, not worth a copy of q, k and v); probably the static kernel relies on a length
+divisible by its block sizes. Each bucket compiles once; buckets are few (at most four per
 octave of row lengths), and ``MAX_COMPILED_BUCKETS`` lifts Dynamo's recompile limit around these
 calls so that all of them stay compiled. Padded tokens attend nothing and are attended by nothing;
 their outputs are sliced off.
@@ -133,15 +133,18 @@ def tree_block_mask(
     )
 
 
-def _padded_heads_first(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[T, 1, H, D] -> contiguous [1, H, num_tokens, D], zero past T, in one copy.
+def _heads_first(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T, 1, H, D] -> [1, H, num_tokens, D] view (FlexAttention's layout, Megatron's memory).
 
+    A row shorter than ``num_tokens`` is zero-padded first, one copy in the same [T, 1, H, D] memory
+    order, so that every call hands the compiled kernel the same strides (strides are part of what
+    a static compile is specialized on) and a row that is already a bucket is not copied at all.
     Zeros rather than uninitialized memory: the mask gives padded keys probability 0, but a kernel
     may still multiply that 0 by a product with padded values, and 0 * NaN is NaN.
     """
-    padded = x.new_zeros(1, x.shape[2], num_tokens, x.shape[3])
-    padded[:, :, : x.shape[0]] = x.permute(1, 2, 0, 3)
-    return padded
+    if num_tokens > x.shape[0]:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 0, 0, num_tokens - x.shape[0]))
+    return x.permute(1, 2, 0, 3)
 
 
 def tree_attention(
@@ -155,10 +158,10 @@ def tree_attention(
 ) -> torch.Tensor:
     """Same contract as ``torch_backend.tree_attention`` ([T, 1, H, D] in, [T, 1, H * D] out).
 
-    Runs at ``bucket_length(T)`` tokens: q, k, v are copied into zero-padded [1, H, T_bucket, D],
-    padded queries attend nothing (FlexAttention outputs zeros there) and are sliced off, so real
-    positions and their gradients are those of the unpadded row. The block mask is built once per
-    forest and cached on it. ``compiled=False`` runs FlexAttention eagerly (its reference
+    Runs at ``bucket_length(T)`` tokens: q, k, v are zero-padded to T_bucket when T is not a bucket
+    (one copy each; none when it is), padded queries attend nothing (FlexAttention outputs zeros
+    there) and are sliced off, so real positions and their gradients are those of the unpadded row.
+    The block mask is built once per forest and cached on it. ``compiled=False`` runs FlexAttention eagerly (its reference
     implementation; used on CPU in tests).
     """
     num_tokens, batch, num_heads, head_dim = query.shape
@@ -173,9 +176,9 @@ def tree_attention(
         lambda: tree_block_mask(forest, num_tokens=padded),
     )
     attend = _flex_attention_static if compiled else flex_attention
-    q, k, v = (_padded_heads_first(t, padded) for t in (query, key, value))
+    q, k, v = (_heads_first(t, padded) for t in (query, key, value))
     out = attend(
         q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=key.shape[2] != num_heads
     )
     # [1, H, T_bucket, D] -> [T, 1, H * D]
-    return out[0, :, :num_tokens].transpose(0, 1).reshape(num_tokens, 1, num_heads * head_dim)
+    return out.permute(2, 0, 1, 3)[:num_tokens].reshape(num_tokens, 1, num_heads * head_dim)

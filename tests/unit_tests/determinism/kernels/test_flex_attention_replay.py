@@ -6,8 +6,9 @@ it forward and backward in bf16, three times against concurrent stream work, reb
 every run so that the block mask (cached on the forest) is replayed too. On CPU, FlexAttention has
 no backward, its eager forward needs Dynamo (which tests/conftest.py turns off for speed), and
 training uses torch_backend instead, so the CPU test replays the part of this file that runs on
-any device: the block-mask construction, for the row's own length and padded to a longer one. The
-GPU row's length is not a bucket length, so the padded static-shape path is the one replayed.
+any device: the block-mask construction, for the row's own length and padded to a longer one. On GPU
+two rows are replayed: one whose length is not a bucket length (q, k, v padded) and one planned to
+a bucket length (no copy).
 """
 
 import contextlib
@@ -57,15 +58,17 @@ def test_flex_block_mask_replay_cpu(forest_sequences, padding):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flex_tree_attention_replay_gpu(forest_sequences):
+@pytest.mark.parametrize("pad_multiple", [1, 256], ids=["padded-to-bucket", "bucket-length"])
+def test_flex_tree_attention_replay_gpu(forest_sequences, pad_multiple):
     # Long segments, so rows span many 128-token blocks and the backward reduces across them.
     sequences = forest_sequences(seed=3, depth=3, max_segment=300)
-
-    num_tokens = plan_shared_prefix(sequences, capacity=8192).rows[0].num_tokens
-    assert flex_backend.bucket_length(num_tokens) > num_tokens  # the padded path runs
+    num_tokens = (
+        plan_shared_prefix(sequences, capacity=8192, pad_multiple=pad_multiple).rows[0].num_tokens
+    )
+    assert (flex_backend.bucket_length(num_tokens) > num_tokens) == (pad_multiple == 1)
 
     def make_inputs():
-        layout = plan_shared_prefix(sequences, capacity=8192).rows[0]
+        layout = plan_shared_prefix(sequences, capacity=8192, pad_multiple=pad_multiple).rows[0]
         # 8 query heads sharing 2 key/value heads, as with GQA in training.
         qkv = (
             torch.randn(layout.num_tokens, 1, heads, 64, device="cuda", dtype=torch.bfloat16)
