@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from benchmark_report import (  # tools/ is on sys.path as a script
     agent_tree,
     cuda_time_ms,
+    markdown_table,
     star,
     write_section,
 )
@@ -128,7 +129,6 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
 
 def markdown(rows, command):
     """The benchmark section: command, then one table row per forest."""
-    columns = list(rows[0])
     lines = [
         f"## {SECTION}",
         "",
@@ -141,12 +141,7 @@ def markdown(rows, command):
         "tree / ideal = (dense / tree) / ideal pair ratio.",
         "",
     ]
-    lines.append("| " + " | ".join(columns) + " |")
-    lines.append("|" + "---|" * len(columns))
-    for row in rows:
-        cells = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + markdown_table(rows)) + "\n"
 
 
 def main():

@@ -124,6 +124,9 @@ class TreeScanPlan:
         all_child_tokens: [sum K_p] the concatenation (distinct indices: every token of a non-root
             segment, once).
         segment_first: [S] int64 first token of each segment; segment_last: [S] its last token.
+        slot_segment, slot_parent: [internal] int64 device copies of ``internal``'s segment and
+            parent slot (the Triton state chain's tables); has_parent_slots: whether any internal
+            segment has a parent (else the chain is the identity).
     """
 
     seq_idx: torch.Tensor
@@ -132,6 +135,9 @@ class TreeScanPlan:
     all_child_tokens: torch.Tensor
     segment_first: torch.Tensor
     segment_last: torch.Tensor
+    slot_segment: torch.Tensor
+    slot_parent: torch.Tensor
+    has_parent_slots: bool
 
     @classmethod
     def of(cls, forest: ForestTensors) -> "TreeScanPlan":
@@ -174,6 +180,9 @@ class TreeScanPlan:
             all_child_tokens=on_device(all_children),
             segment_first=on_device(starts),
             segment_last=on_device(starts + lengths - 1),
+            slot_segment=on_device([segment for segment, *_ in internal]),
+            slot_parent=on_device([parent_slot for *_, parent_slot in internal]),
+            has_parent_slots=any(parent_slot >= 0 for *_, parent_slot in internal),
         )
 
 
@@ -356,15 +365,8 @@ def _fused_correction(x, B, C, y, z, dt, A, forest):
     )
     child_tables = kernels.TokenBlocks.of(forest, "child tokens", lambda: plan.child_tokens)
     states = kernels.OwnStates.apply(x, input_weight, B, own_tables)  # [S, h, p, n]
-    if any(parent_slot >= 0 for *_, parent_slot in plan.internal):
-        slot_segment, slot_parent = forest.derive(
-            "tree_scan_state_chain",
-            lambda: tuple(
-                torch.tensor(column, dtype=torch.int64, device=forest.device)
-                for column in zip(*[(segment, parent) for segment, _, _, parent in plan.internal])
-            ),
-        )
-        states = kernels.StateChain.apply(states, cum_end, slot_segment, slot_parent)
+    if plan.has_parent_slots:
+        states = kernels.StateChain.apply(states, cum_end, plan.slot_segment, plan.slot_parent)
     return kernels.InheritedStateOutput.apply(y, z, C, cum, states, child_tables)
 
 

@@ -171,9 +171,10 @@ def test_forked_state_kernels_replay(gate, dtype, row):
     _fused_correction). On the long star each parent's tokens span several state-sum splits, so the
     fixed-order split sums run; the depth-3 row chains states through parents."""
     from megatron.shared_prefix.ssm import triton_inherited_state
-    from megatron.shared_prefix.ssm.tree_scan import _fused_correction
+    from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, _fused_correction
 
     forest = FORESTS[row]("cuda")
+    assert TreeScanPlan.of(forest).has_parent_slots == (row == "depth-3")  # the chain kernel runs
     length, groups, heads, head_dim, state = forest.num_tokens, 2, 8, 64, 128
     if row == "long-star":
         assert 1500 > triton_inherited_state.TOKENS_PER_BLOCK * triton_inherited_state.SPLIT_BLOCKS
