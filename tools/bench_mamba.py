@@ -17,7 +17,8 @@ bf16, hidden 2048 by default, head dim 64, state 128, 8 groups), in one process 
   and
   the conv window prefixed with the parent's tail (exact, padding has dt = 0).
 
-Reported: median ms of forward+backward over ``--repeats`` runs, peak memory above the inputs (GiB),
+Reported: median ms of forward+backward over ``--repeats`` runs (GPU time of runs queued back to
+back, ``benchmark_report.cuda_time_ms``), peak memory above the inputs (GiB),
 the token ratio (logical tokens / tree tokens, the speedup an ideal token-proportional layer gets),
 tree speedup over both dense runs, tree / ideal, tree / varlen, and the one-time cost of the
 forest's
@@ -377,10 +378,11 @@ def markdown(rows, command, args, mixer):
         "",
         f"Device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; one Mamba "
         f"mixer, hidden {args.hidden}, {mixer.nheads} heads x {args.head_dim}, state {args.state}, "
-        f"{args.groups} groups, chunk {args.chunk}, bf16, forward+backward; dense path: {path}. ms: median "
-        f"of {args.repeats}; GiB: peak memory above the inputs. Token ratio = logical / tree tokens; "
-        "tree / ideal = (dense varlen / tree time) / token ratio; tree / varlen = tree time over the "
-        "same packed tokens without the fork (target <= 1.15).",
+        f"{args.groups} groups, chunk {args.chunk}, bf16, forward+backward; dense path: {path}. "
+        f"ms: GPU time, median of {args.repeats} runs queued back to back; GiB: peak memory above "
+        "the inputs. Token ratio = logical / tree tokens; tree / ideal = (dense varlen / tree "
+        "time) / token ratio; tree / varlen = tree time over the same packed tokens without the "
+        "fork (target <= 1.15).",
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"

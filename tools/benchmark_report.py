@@ -12,18 +12,24 @@ import torch
 
 
 def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA events)."""
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA events).
+
+    The runs are queued back to back with one synchronization at the end, as in a training loop, so
+    each pair of events times the GPU work of one run, not the host's time to launch it (which
+    overlaps the previous run's GPU work when the host is ahead).
+    """
     for _ in range(warmup):
         fn()
-    times = []
+    torch.cuda.synchronize()
+    events = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def markdown_table(rows) -> list:
