@@ -17,12 +17,17 @@ For each forest it times, in one process on one GPU:
 * ideal: the attention-pair ratio (query-key pairs of the dense batch / of the tree) and the token
   ratio (dense tokens / tree tokens), the speedups an exact implementation could reach.
 
+Times are GPU milliseconds of one forward+backward with runs queued back to back, as in training
+(``benchmark_report.cuda_time_ms``): the median of ``--repeats`` runs in each of ``--rounds`` rounds
+that interleave the methods, then the median over rounds.
+
 Usage (writes the table into docs/benchmarks.md when --write is given):
-    python tools/bench_attention.py [--heads 32] [--head-dim 128] [--repeats 10] [--write
-    docs/benchmarks.md]
+    python tools/bench_attention.py [--heads 32] [--head-dim 128] [--repeats 10] [--rounds 3]
+    [--write docs/benchmarks.md]
 """
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -58,7 +63,7 @@ def forward_backward(attend, *inputs):
     return run
 
 
-def bench_forest(name, sequences, heads, head_dim, repeats):
+def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
     """One table row: times (ms) and ratios for the forest of ``sequences``."""
     lengths = {len(s) for s in sequences}
     assert len(lengths) == 1, "dense baseline batches equal-length sequences"
@@ -75,12 +80,6 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
     )
 
     dense_qkv = [make(len(sequences), heads, length, head_dim) for _ in range(3)]
-    dense = cuda_time_ms(
-        forward_backward(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *dense_qkv
-        ),
-        repeats,
-    )
     tree_qkv = [make(layout.num_tokens, 1, heads, head_dim) for _ in range(3)]
     torch._dynamo.reset()  # pylint: disable=protected-access
     stock_mask = create_block_mask(
@@ -101,17 +100,28 @@ def bench_forest(name, sequences, heads, head_dim, repeats):
 
         return attend
 
-    stock = {
-        key: cuda_time_ms(forward_backward(stock_attention(compile_()), *tree_qkv), repeats)
-        for key, compile_ in STOCK_COMPILES.items()
-    }
-    tree = cuda_time_ms(
-        forward_backward(
+    runs = {
+        "dense SDPA": forward_backward(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *dense_qkv
+        ),
+        "tree": forward_backward(
             lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
             *tree_qkv,
         ),
-        repeats,
-    )
+        **{
+            key: forward_backward(stock_attention(compile_()), *tree_qkv)
+            for key, compile_ in STOCK_COMPILES.items()
+        },
+    }
+    # Rounds interleave the methods, so that a slow phase of the GPU (clocks, other tenants) does
+    # not fall on one method only; each time is the median of its rounds.
+    rounds = {key: [] for key in runs}
+    for _ in range(num_rounds):
+        for key, run in runs.items():
+            rounds[key].append(cuda_time_ms(run, repeats))
+    times = {key: statistics.median(values) for key, values in rounds.items()}
+    dense, tree = times["dense SDPA"], times["tree"]
+    stock = {key: times[key] for key in STOCK_COMPILES}
     return {
         "forest": name,
         "tokens dense/tree (row)": f"{len(sequences) * length}/{real} ({layout.num_tokens})",
@@ -134,11 +144,13 @@ def markdown(rows, command):
         "",
         f"Command: `{command}`",
         "",
-        f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward. tree: flex_backend "
-        "(static compile per row-length bucket; rows that are not a bucket are padded); flex "
-        "static: stock FlexAttention compiled for this exact length; flex dynamic: stock with a "
-        "dynamic length, what torch.compile uses once a loop has seen a second row length; "
-        "tree / ideal = (dense / tree) / ideal pair ratio.",
+        f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward, GPU time of runs "
+        "queued back to back (median of interleaved rounds). tree: flex_backend (static compile "
+        "per row-length bucket; a row that is not a bucket, bucket > row, is padded: a copy of q, "
+        "k, v and of the output gradient); flex static: stock FlexAttention compiled for this "
+        "exact length (one compile per distinct row length); flex dynamic: stock with a dynamic "
+        "length, what torch.compile uses once a loop has seen a second row length; tree / ideal "
+        "= (dense / tree) / ideal pair ratio.",
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"
@@ -150,7 +162,8 @@ def main():
     )
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per method")
     parser.add_argument("--write", help="markdown file whose section to replace with the results")
     args = parser.parse_args()
     forests = [
@@ -162,7 +175,9 @@ def main():
     ]
     rows = []
     for name, sequences in forests:
-        rows.append(bench_forest(name, sequences, args.heads, args.head_dim, args.repeats))
+        rows.append(
+            bench_forest(name, sequences, args.heads, args.head_dim, args.repeats, args.rounds)
+        )
         print(rows[-1], flush=True)
     section = markdown(rows, "python " + " ".join(sys.argv))
     print(section)

@@ -13,13 +13,20 @@ strictly after ``j`` that end before ``min end_k``.
 
 FlexAttention is compiled once per process with static shapes, for the row length rounded up to a
 bucket (``bucket_length``). In an H200 experiment on 2026-11-29 (bf16, 32 heads x 128, star forest
-P=4096 C=1024 G=16, T=20480, forward+backward) a dynamic-shape compile took 16.9 ms; a static one
-took 13.3 ms from the permuted [T, 1, H, D] view (what runs here; contiguous [1, H, T, D] inputs
-took 12.8 ms, not worth a copy of q, k and v); probably the static kernel relies on a length
-divisible by its block sizes. Each bucket compiles once; buckets are few (at most four per
-octave of row lengths), and ``MAX_COMPILED_BUCKETS`` lifts Dynamo's recompile limit around these
-calls so that all of them stay compiled. Padded tokens attend nothing and are attended by nothing;
-their outputs are sliced off.
+P=4096 C=1024 G=16, T=20480, forward+backward) a dynamic-shape compile took 16.4 ms and a static one
+13.4 ms; telling the dynamic compile that T is a multiple of 128 (``torch._check``) did not help
+(16.3 ms), nor did contiguous [1, H, T, D] copies of padded rows (slower than padding in Megatron's
+[T, 1, H, D] order). Each bucket compiles once; buckets are few (at most four per octave of row
+lengths), and ``MAX_COMPILED_BUCKETS`` lifts Dynamo's recompile limit around these calls so that
+all of them stay compiled. Padded tokens attend nothing and are attended by nothing; their outputs
+are sliced off. The price of a row that is not a bucket is the copy of q, k and v into the padded
+row (and of the output gradient back), measured in docs/benchmarks.md.
+
+Not used: PyTorch's cuDNN attention, faster than FlexAttention for dense causal attention on an
+H200 (the dense baseline of docs/benchmarks.md runs on it), so a tree could be split into dense
+cuDNN calls merged by log-sum-exp; but its backward is not reproducible bitwise (measured on the
+H200 with torch 2.11: dq differed between four identical runs, for [1, 32, 16384, 128] queries over
+4096 keys and for a causal [16, 32, 5120, 128] batch), which the determinism gate does not allow.
 """
 
 import torch
@@ -35,6 +42,12 @@ BLOCK_SIZE = 128
 # materializes [T, T] scores and runs out of memory on long rows. With four buckets per octave, all
 # row lengths up to 2^20 tokens fall into 48 buckets.
 MAX_COMPILED_BUCKETS = 64
+
+# The forward kernel loads its tiles with TMA (tensor memory accelerator) on Hopper and newer;
+# Inductor falls back to plain loads where the GPU or the inputs do not qualify. On an H200 this
+# made the forward 3-7% faster on rows of 12K-20K tokens (3% slower on a 9K-token row), with
+# bitwise the same results (tested); TMA in the backward as well was slower.
+KERNEL_OPTIONS = {"fwd_USE_TMA": True}
 
 _compiled_flex_attention = None  # pylint: disable=invalid-name
 
@@ -133,6 +146,21 @@ def tree_block_mask(
     )
 
 
+class _FirstTokens(torch.autograd.Function):
+    """``x[:num_tokens]`` of a padded [T_bucket, ...] tensor, whose backward zero-pads the gradient
+    in one pass (a slice's backward fills a zero tensor, then copies the gradient into it)."""
+
+    @staticmethod
+    def forward(ctx, x, num_tokens):  # pylint: disable=arguments-differ
+        ctx.padding = x.shape[0] - num_tokens
+        return x[:num_tokens]
+
+    @staticmethod
+    def backward(ctx, grad):  # pylint: disable=arguments-differ
+        padding = (0, 0) * (grad.dim() - 1) + (0, ctx.padding)
+        return torch.nn.functional.pad(grad, padding), None
+
+
 def _heads_first(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[T, 1, H, D] -> [1, H, num_tokens, D] view (FlexAttention's layout, Megatron's memory).
 
@@ -161,8 +189,8 @@ def tree_attention(
     Runs at ``bucket_length(T)`` tokens: q, k, v are zero-padded to T_bucket when T is not a bucket
     (one copy each; none when it is), padded queries attend nothing (FlexAttention outputs zeros
     there) and are sliced off, so real positions and their gradients are those of the unpadded row.
-    The block mask is built once per forest and cached on it. ``compiled=False`` runs FlexAttention eagerly (its reference
-    implementation; used on CPU in tests).
+    The block mask is built once per forest and cached on it. ``compiled=False`` runs FlexAttention
+    eagerly (its reference implementation; used on CPU in tests).
     """
     num_tokens, batch, num_heads, head_dim = query.shape
     if batch != 1 or num_tokens != forest.num_tokens:
@@ -175,10 +203,16 @@ def tree_attention(
         ("flex_block_mask", BLOCK_SIZE, padded),
         lambda: tree_block_mask(forest, num_tokens=padded),
     )
-    attend = _flex_attention_static if compiled else flex_attention
     q, k, v = (_heads_first(t, padded) for t in (query, key, value))
-    out = attend(
-        q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=key.shape[2] != num_heads
-    )
-    # [1, H, T_bucket, D] -> [T, 1, H * D]
-    return out.permute(2, 0, 1, 3)[:num_tokens].reshape(num_tokens, 1, num_heads * head_dim)
+    options = {"scale": softmax_scale, "enable_gqa": key.shape[2] != num_heads}
+    if compiled:
+        out = _flex_attention_static(
+            q, k, v, block_mask=block_mask, kernel_options=KERNEL_OPTIONS, **options
+        )
+    else:
+        out = flex_attention(q, k, v, block_mask=block_mask, **options)
+    # [1, H, T_bucket, D] -> [T_bucket, 1, H, D] -> [T, 1, H * D]
+    out = out.permute(2, 0, 1, 3)
+    if padded > num_tokens:
+        out = _FirstTokens.apply(out, num_tokens)
+    return out.reshape(num_tokens, 1, num_heads * head_dim)

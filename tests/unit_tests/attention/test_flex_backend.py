@@ -150,6 +150,19 @@ def test_padded_row_gradients_match_torch_backend(forest_sequences, monkeypatch,
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)
 
 
+def test_first_tokens_backward_pads_the_gradient_in_row_order():
+    """The output slice of a padded row: same values and gradient as slicing, the gradient laid out
+    as a contiguous [T_bucket, ...] tensor (FlexAttention's output order), zeros past T."""
+    padded = torch.randn(12, 1, 3, 4, dtype=torch.float64, requires_grad=True)
+    out = flex_backend._FirstTokens.apply(padded, 9)  # pylint: disable=protected-access
+    assert torch.equal(out, padded[:9]) and out.data_ptr() == padded.data_ptr()
+    upstream = torch.randn(9, 1, 3, 4, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, padded, upstream)
+    (sliced_grad,) = torch.autograd.grad(padded[:9], padded, upstream)
+    assert torch.equal(grad, sliced_grad)
+    assert grad.is_contiguous() and not grad[9:].any()
+
+
 def _random_qkv(num_tokens, dtype, seed, heads=8, groups=2, head_dim=64):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     make = lambda h: torch.randn(  # noqa: E731

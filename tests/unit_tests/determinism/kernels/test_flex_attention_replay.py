@@ -8,7 +8,8 @@ no backward, its eager forward needs Dynamo (which tests/conftest.py turns off f
 training uses torch_backend instead, so the CPU test replays the part of this file that runs on
 any device: the block-mask construction, for the row's own length and padded to a longer one. On GPU
 two rows are replayed: one whose length is not a bucket length (q, k, v padded) and one planned to
-a bucket length (no copy).
+a bucket length (no copy). The forward's kernel options (``flex_backend.KERNEL_OPTIONS``: TMA loads)
+are a speed choice only: a GPU test checks that they give bitwise the results of the default kernel.
 """
 
 import contextlib
@@ -81,3 +82,34 @@ def test_flex_tree_attention_replay_gpu(forest_sequences, pad_multiple):
 
     with _dynamo_enabled():
         assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_options_keep_the_bits_gpu(forest_sequences, monkeypatch, dtype):
+    sequences = forest_sequences(seed=5, depth=3, max_segment=300)
+    layout = plan_shared_prefix(sequences, capacity=8192).rows[0]
+    forest = ForestTensors.from_layout(layout, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    query, key, value = (
+        torch.randn(
+            layout.num_tokens, 1, heads, 128, generator=generator, device="cuda", dtype=dtype
+        ).requires_grad_()
+        for heads in (8, 2, 2)
+    )
+    upstream = torch.randn(
+        layout.num_tokens, 1, 8 * 128, generator=generator, device="cuda", dtype=dtype
+    )
+
+    def forward_backward():
+        out = flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.088)
+        return (out, *torch.autograd.grad(out, (query, key, value), upstream))
+
+    assert flex_backend.KERNEL_OPTIONS, "nothing to compare: the default kernel runs already"
+    with _dynamo_enabled():
+        tuned = forward_backward()
+        monkeypatch.setattr(flex_backend, "KERNEL_OPTIONS", {})
+        default = forward_backward()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), tuned, default):
+        assert torch.equal(a, b), f"{name} differs between the tuned and the default kernel"
