@@ -4,8 +4,9 @@ For each forest it times, in one process on one GPU:
 
 * dense: ``scaled_dot_product_attention(is_causal=True)`` over the batch of expanded sequences
   (every leaf sequence, all of the same length, as [G, H, L, D]);
-* tree: our FlexAttention path (flex_backend): the block mask built from the forest, the row padded
-  to its length bucket and FlexAttention compiled with static shapes;
+* tree: our FlexAttention path (flex_backend): the block mask built from the forest, the row run on
+  the static-shape kernel of its length if that is a bucket, else on the one dynamic-shape kernel
+  (the "kernel" column);
 * stock FlexAttention, what a user would write: the same mask_mod with the block mask from
   ``create_block_mask``, called on permuted views of the same [T, 1, H, D] layout as megatron-core's
   core attention (so every row includes the layout conversion a Megatron layer needs), compiled two
@@ -125,7 +126,7 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
     return {
         "forest": name,
         "tokens dense/tree (row)": f"{len(sequences) * length}/{real} ({layout.num_tokens})",
-        "bucket": flex_backend.bucket_length(layout.num_tokens),
+        "kernel": "static" if flex_backend.run_length(layout.num_tokens)[1] else "dynamic",
         "dense SDPA ms": dense,
         "tree ms": tree,
         **{f"{key} ms": value for key, value in stock.items()},
@@ -145,12 +146,12 @@ def markdown(rows, command):
         f"Command: `{command}`",
         "",
         f"Device: {torch.cuda.get_device_name()}, bf16, forward+backward, GPU time of runs "
-        "queued back to back (median of interleaved rounds). tree: flex_backend (static compile "
-        "per row-length bucket; a row that is not a bucket, bucket > row, is padded: a copy of q, "
-        "k, v and of the output gradient); flex static: stock FlexAttention compiled for this "
-        "exact length (one compile per distinct row length); flex dynamic: stock with a dynamic "
-        "length, what torch.compile uses once a loop has seen a second row length; tree / ideal "
-        "= (dense / tree) / ideal pair ratio.",
+        "queued back to back (median of interleaved rounds). tree: flex_backend (kernel: static "
+        "shapes for a row whose length is a bucket, else the one dynamic-shape kernel told that "
+        "lengths are multiples of 128, which every row here is: no copies); flex static: stock "
+        "FlexAttention compiled for this exact length (one compile per distinct row length); flex "
+        "dynamic: stock with a dynamic length, what torch.compile uses once a loop has seen a "
+        "second row length; tree / ideal = (dense / tree) / ideal pair ratio.",
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"

@@ -11,16 +11,24 @@ query blocks that may attend key block ``j`` are the contiguous range from ``j``
 ``max end_k - 1``, and those that attend every key of block ``j`` with every query are the blocks
 strictly after ``j`` that end before ``min end_k``.
 
-FlexAttention is compiled once per process with static shapes, for the row length rounded up to a
-bucket (``bucket_length``). In an H200 experiment on 2026-11-29 (bf16, 32 heads x 128, star forest
-P=4096 C=1024 G=16, T=20480, forward+backward) a dynamic-shape compile took 16.4 ms and a static one
-13.4 ms; telling the dynamic compile that T is a multiple of 128 (``torch._check``) did not help
-(16.3 ms), nor did contiguous [1, H, T, D] copies of padded rows (slower than padding in Megatron's
-[T, 1, H, D] order). Each bucket compiles once; buckets are few (at most four per octave of row
-lengths), and ``MAX_COMPILED_BUCKETS`` lifts Dynamo's recompile limit around these calls so that
-all of them stay compiled. Padded tokens attend nothing and are attended by nothing; their outputs
-are sliced off. The price of a row that is not a bucket is the copy of q, k and v into the padded
-row (and of the output gradient back), measured in docs/benchmarks.md.
+FlexAttention runs at the row length rounded up to a multiple of ``BLOCK_SIZE`` (``run_length``);
+a row that already is one (as every row planned with ``pad_multiple=128`` is) is not copied, any
+other is zero-padded (one copy of q, k and v). Padded tokens attend nothing and are attended by
+nothing; their outputs are sliced off. Two compiled kernels serve all lengths:
+
+* a length that is a bucket (``bucket_length``: at most four per octave of lengths) runs a kernel
+  compiled with static shapes for it, the fastest FlexAttention has; each bucket compiles once, and
+  ``MAX_COMPILED_KERNELS`` lifts Dynamo's recompile limit around these calls so all stay compiled;
+* every other length runs one kernel compiled with dynamic shapes and told that the lengths are
+  multiples of 128 (FlexAttention's ``IS_DIVISIBLE``), which a dynamic compile cannot prove itself.
+
+Measured on an H200 on 2026-11-29 (bf16, 32 heads x 128, forward+backward): on a 20480-token star
+row the static kernel took 13.1-13.4 ms and a plain dynamic one 16.4 ms (it bounds-checks every
+tile; ``torch._check`` that the length is a multiple of 128 did not change that); with
+``IS_DIVISIBLE`` the dynamic kernel ran 2-5% slower than the static one on rows of 9K-20K tokens,
+with bitwise the same outputs and gradients (tested). Padding those rows to the next bucket
+instead, so that a static kernel could run, cost 9-19%: the copies of q, k, v and of the output
+gradient. Contiguous [1, H, T, D] copies were slower than padding in Megatron's [T, 1, H, D] order.
 
 Not used: PyTorch's cuDNN attention, faster than FlexAttention for dense causal attention on an
 H200 (the dense baseline of docs/benchmarks.md runs on it), so a tree could be split into dense
@@ -39,9 +47,9 @@ BLOCK_SIZE = 128
 # Every bucket a run meets is one more static compile: one more Dynamo cache entry on
 # flex_attention's code object (per dtype, head shape and grad mode). Past
 # torch._dynamo.config.recompile_limit (default 8) Dynamo would run flex_attention eagerly, which
-# materializes [T, T] scores and runs out of memory on long rows. With four buckets per octave, all
-# row lengths up to 2^20 tokens fall into 48 buckets.
-MAX_COMPILED_BUCKETS = 64
+# materializes [T, T] scores and runs out of memory on long rows. With four buckets per
+# octave, all row lengths up to 2^20 tokens fall into 48 buckets.
+MAX_COMPILED_KERNELS = 64
 
 # The forward kernel loads its tiles with TMA (tensor memory accelerator) on Hopper and newer;
 # Inductor falls back to plain loads where the GPU or the inputs do not qualify. On an H200 this
@@ -49,30 +57,51 @@ MAX_COMPILED_BUCKETS = 64
 # bitwise the same results (tested); TMA in the backward as well was slower.
 KERNEL_OPTIONS = {"fwd_USE_TMA": True}
 
-_compiled_flex_attention = None  # pylint: disable=invalid-name
-
 
 def bucket_length(num_tokens: int) -> int:
-    """The row length FlexAttention runs at: ``num_tokens`` rounded up to a multiple of
-    ``max(2 ** (floor(log2(num_tokens)) - 2), BLOCK_SIZE)``.
+    """``num_tokens`` rounded up to a multiple of ``max(2 ** (floor(log2(num_tokens)) - 2),
+    BLOCK_SIZE)``: the lengths that get a static kernel of their own.
 
-    Every bucket is a multiple of BLOCK_SIZE; an octave ``[2^e, 2^(e+1))`` holds at most four
-    buckets, and padding stays under 25% of the row (under BLOCK_SIZE tokens for rows shorter than
-    4 * BLOCK_SIZE). For example 20480 stays 20480 and 20481 becomes 24576.
+    Every bucket is a multiple of BLOCK_SIZE, and an octave ``[2^e, 2^(e+1))`` holds at most four
+    buckets. For example 20480 stays 20480 and 20481 becomes 24576.
     """
     step = max(BLOCK_SIZE, 1 << max(num_tokens.bit_length() - 3, 0))
     return -(-num_tokens // step) * step
 
 
-def _flex_attention_static(*args, **kwargs):
-    """flex_attention compiled once per process with static shapes, called with Dynamo's recompile
-    limit raised to MAX_COMPILED_BUCKETS (a scoped config patch) so every bucket stays compiled."""
-    global _compiled_flex_attention  # pylint: disable=global-statement
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+def run_length(num_tokens: int) -> tuple[int, bool]:
+    """(tokens FlexAttention runs a row of ``num_tokens`` at, whether a static kernel runs it).
+
+    The row is padded to a multiple of BLOCK_SIZE; a padded length that is a bucket runs its static
+    kernel, any other the dynamic-shape kernel.
+    """
+    length = -(-num_tokens // BLOCK_SIZE) * BLOCK_SIZE
+    return length, bucket_length(length) == length
+
+
+def _flex_attention_divisible(query, key, value, *, kernel_options, **kwargs):
+    """flex_attention told that both lengths are multiples of BLOCK_SIZE (no bounds checks on tile
+    loads), which a dynamic-shape compile cannot prove by itself."""
+    options = {**kernel_options, "IS_DIVISIBLE": True}
+    return flex_attention(query, key, value, kernel_options=options, **kwargs)
+
+
+_compiled_kernels = {}  # static: bool -> compiled callable, built on first use
+
+
+def _flex_attention_compiled(static: bool, *args, **kwargs):
+    """The static-shape or the dynamic-shape compiled flex_attention, called with Dynamo's
+    recompile limit raised to MAX_COMPILED_KERNELS (a scoped config patch) so every bucket stays
+    compiled."""
+    if static not in _compiled_kernels:
+        _compiled_kernels[static] = (
+            torch.compile(flex_attention, dynamic=False)
+            if static
+            else torch.compile(_flex_attention_divisible, dynamic=True)
+        )
     # pylint: disable-next=no-member,protected-access
-    with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_BUCKETS):
-        return _compiled_flex_attention(*args, **kwargs)
+    with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_KERNELS):
+        return _compiled_kernels[static](*args, **kwargs)
 
 
 def tree_mask_mod(token_subtree_end: torch.Tensor):
@@ -186,11 +215,11 @@ def tree_attention(
 ) -> torch.Tensor:
     """Same contract as ``torch_backend.tree_attention`` ([T, 1, H, D] in, [T, 1, H * D] out).
 
-    Runs at ``bucket_length(T)`` tokens: q, k, v are zero-padded to T_bucket when T is not a bucket
-    (one copy each; none when it is), padded queries attend nothing (FlexAttention outputs zeros
-    there) and are sliced off, so real positions and their gradients are those of the unpadded row.
-    The block mask is built once per forest and cached on it. ``compiled=False`` runs FlexAttention
-    eagerly (its reference implementation; used on CPU in tests).
+    Runs at ``run_length(T)`` tokens: q, k, v are zero-padded to a multiple of BLOCK_SIZE when T is
+    not one (one copy each; none when it is), padded queries attend nothing (FlexAttention outputs
+    zeros there) and are sliced off, so real positions and their gradients are those of the unpadded
+    row. The block mask is built once per forest and cached on it. ``compiled=False`` runs
+    FlexAttention eagerly (its reference implementation; used on CPU in tests).
     """
     num_tokens, batch, num_heads, head_dim = query.shape
     if batch != 1 or num_tokens != forest.num_tokens:
@@ -198,20 +227,19 @@ def tree_attention(
             f"tree attention expects [T={forest.num_tokens}, 1, H, D] queries for this forest, "
             f"got {tuple(query.shape)}"
         )
-    padded = bucket_length(num_tokens)
+    padded, static = run_length(num_tokens)
     block_mask = forest.derive(
         ("flex_block_mask", BLOCK_SIZE, padded),
         lambda: tree_block_mask(forest, num_tokens=padded),
     )
     q, k, v = (_heads_first(t, padded) for t in (query, key, value))
-    options = {"scale": softmax_scale, "enable_gqa": key.shape[2] != num_heads}
+    options = {"block_mask": block_mask, "scale": softmax_scale}
+    options["enable_gqa"] = key.shape[2] != num_heads
     if compiled:
-        out = _flex_attention_static(
-            q, k, v, block_mask=block_mask, kernel_options=KERNEL_OPTIONS, **options
-        )
+        out = _flex_attention_compiled(static, q, k, v, kernel_options=KERNEL_OPTIONS, **options)
     else:
-        out = flex_attention(q, k, v, block_mask=block_mask, **options)
-    # [1, H, T_bucket, D] -> [T_bucket, 1, H, D] -> [T, 1, H * D]
+        out = flex_attention(q, k, v, **options)
+    # [1, H, T_run, D] -> [T_run, 1, H, D] -> [T, 1, H * D]
     out = out.permute(2, 0, 1, 3)
     if padded > num_tokens:
         out = _FirstTokens.apply(out, num_tokens)

@@ -78,6 +78,20 @@ def test_bucket_length():
     assert per_octave.max() == 4
 
 
+def test_run_length():
+    """Rows run at the next multiple of a tile, on a static kernel iff that length is a bucket."""
+    run = flex_backend.run_length
+    assert [run(n) for n in (1, 128, 129, 256)] == [(128, True)] * 2 + [(256, True)] * 2
+    assert run(20480) == (20480, True) and run(20481) == (20608, False)
+    assert run(18432) == (18432, False) and run(18400) == (18432, False)
+    lengths = np.arange(1, 70000, 37)
+    runs = [run(int(n)) for n in lengths]
+    padded = np.array([length for length, _ in runs])
+    assert (padded >= lengths).all() and (padded - lengths < flex_backend.BLOCK_SIZE).all()
+    assert (padded % flex_backend.BLOCK_SIZE == 0).all()
+    assert all(static == (flex_backend.bucket_length(length) == length) for length, static in runs)
+
+
 def row_layout(forest_sequences, num_tokens):
     """A row of exactly ``num_tokens``: a random depth-3 forest, padded by the planner."""
     sequences = forest_sequences(seed=num_tokens, depth=3, max_segment=num_tokens // 3)
@@ -107,7 +121,7 @@ def dynamo_enabled():
 @pytest.mark.parametrize("num_tokens", [130, 300, 1000])
 def test_padded_row_matches_torch_backend(forest_sequences, num_tokens):
     """Eager FlexAttention at the bucket length (no CPU backward in FlexAttention: forward only)."""
-    assert flex_backend.bucket_length(num_tokens) > num_tokens
+    assert flex_backend.run_length(num_tokens)[0] > num_tokens
     forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
     query, key, value = cpu_qkv(num_tokens, seed=num_tokens)
     out = flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.3, compiled=False)
@@ -204,7 +218,8 @@ def test_flex_matches_torch_backend_on_cuda(forest_sequences, dtype, depth):
 
 
 @pytest.mark.gpu
-def test_row_lengths_of_one_bucket_share_one_compiled_graph(forest_sequences):
+def test_new_row_lengths_do_not_recompile(forest_sequences):
+    """Lengths that are not a bucket share the one dynamic-shape kernel; a bucket compiles once."""
     from torch._dynamo.utils import counters
 
     def unique_graphs_after(num_tokens):
@@ -213,13 +228,15 @@ def test_row_lengths_of_one_bucket_share_one_compiled_graph(forest_sequences):
         flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.125).sum().backward()
         return counters["stats"]["unique_graphs"]
 
-    one_bucket, next_bucket = (4097, 4500, 5120), 5121
-    assert {flex_backend.bucket_length(n) for n in one_bucket} == {5120}
-    assert flex_backend.bucket_length(next_bucket) == 6144
-    # The first length compiles bucket 5120 (unless an earlier test did); the others reuse it.
-    graphs = unique_graphs_after(one_bucket[0])
-    assert [unique_graphs_after(n) for n in one_bucket[1:]] == [graphs] * (len(one_bucket) - 1)
-    assert unique_graphs_after(next_bucket) <= graphs + 1
+    dynamic, bucket = (4097, 4500, 4608, 4736, 6000), 5120
+    assert not any(flex_backend.run_length(n)[1] for n in dynamic)
+    assert flex_backend.run_length(bucket) == (bucket, True)
+    # The first length compiles the dynamic kernel (unless an earlier test did); others reuse it.
+    graphs = unique_graphs_after(dynamic[0])
+    assert [unique_graphs_after(n) for n in dynamic[1:]] == [graphs] * (len(dynamic) - 1)
+    graphs_with_bucket = unique_graphs_after(bucket)
+    assert graphs_with_bucket <= graphs + 1
+    assert unique_graphs_after(bucket) == graphs_with_bucket
 
 
 def test_auto_backend_uses_flex_for_cuda_rows_of_a_tile_or_more():

@@ -121,12 +121,14 @@ ENTRIES = [
         kind="torch.compile",
         training_path=True,
         notes=(
-            "Tree attention on CUDA: flex_attention compiled by inductor (static shapes, one "
-            "compile per row-length bucket) into a Triton kernel, "
-            "with a block mask built from the forest. GPU: forward and backward replayed in bf16 "
-            "with GQA, compiled (Dynamo re-enabled inside the test), 3 runs with concurrent stream "
-            "work. CPU: FlexAttention has no CPU backward and CPU training uses torch_backend, so "
-            "only the block-mask construction is replayed there."
+            "Tree attention on CUDA: flex_attention compiled by inductor into Triton kernels "
+            "(static shapes for a row-length bucket, one dynamic-shape kernel with IS_DIVISIBLE "
+            "for other lengths), with a block mask built from the forest. GPU: forward and "
+            "backward replayed in bf16 with GQA on both kernels and on a padded row, compiled "
+            "(Dynamo re-enabled inside the test), 3 runs with concurrent stream work; the static "
+            "and dynamic kernels, and the tuned and default kernel options, checked to agree "
+            "bitwise. CPU: FlexAttention has no CPU backward and CPU training uses torch_backend, "
+            "so only the block-mask construction is replayed there."
         ),
     ),
     KernelEntry(

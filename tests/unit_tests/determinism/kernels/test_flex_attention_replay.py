@@ -7,9 +7,10 @@ every run so that the block mask (cached on the forest) is replayed too. On CPU,
 no backward, its eager forward needs Dynamo (which tests/conftest.py turns off for speed), and
 training uses torch_backend instead, so the CPU test replays the part of this file that runs on
 any device: the block-mask construction, for the row's own length and padded to a longer one. On GPU
-two rows are replayed: one whose length is not a bucket length (q, k, v padded) and one planned to
-a bucket length (no copy). The forward's kernel options (``flex_backend.KERNEL_OPTIONS``: TMA loads)
-are a speed choice only: a GPU test checks that they give bitwise the results of the default kernel.
+three rows are replayed: one padded to a multiple of 128 tokens and one that is a multiple
+already (both on the dynamic-shape kernel), and one whose length is a bucket (the static kernel).
+Which kernel runs, and the forward's kernel options (``flex_backend.KERNEL_OPTIONS``: TMA loads),
+are speed choices only: GPU tests check that they give bitwise the same results.
 """
 
 import contextlib
@@ -59,17 +60,18 @@ def test_flex_block_mask_replay_cpu(forest_sequences, padding):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("pad_multiple", [1, 256], ids=["padded-to-bucket", "bucket-length"])
-def test_flex_tree_attention_replay_gpu(forest_sequences, pad_multiple):
+@pytest.mark.parametrize(
+    "num_tokens, expected_run",
+    [(4500, (4608, False)), (4608, (4608, False)), (5120, (5120, True))],
+    ids=["padded-dynamic-kernel", "dynamic-kernel", "static-kernel"],
+)
+def test_flex_tree_attention_replay_gpu(forest_sequences, num_tokens, expected_run):
     # Long segments, so rows span many 128-token blocks and the backward reduces across them.
     sequences = forest_sequences(seed=3, depth=3, max_segment=300)
-    num_tokens = (
-        plan_shared_prefix(sequences, capacity=8192, pad_multiple=pad_multiple).rows[0].num_tokens
-    )
-    assert (flex_backend.bucket_length(num_tokens) > num_tokens) == (pad_multiple == 1)
+    assert flex_backend.run_length(num_tokens) == expected_run
 
     def make_inputs():
-        layout = plan_shared_prefix(sequences, capacity=8192, pad_multiple=pad_multiple).rows[0]
+        layout = plan_shared_prefix(sequences, capacity=num_tokens, pad_multiple=num_tokens).rows[0]
         # 8 query heads sharing 2 key/value heads, as with GQA in training.
         qkv = (
             torch.randn(layout.num_tokens, 1, heads, 64, device="cuda", dtype=torch.bfloat16)
@@ -113,3 +115,42 @@ def test_kernel_options_keep_the_bits_gpu(forest_sequences, monkeypatch, dtype):
         default = forward_backward()
     for name, a, b in zip(("out", "dq", "dk", "dv"), tuned, default):
         assert torch.equal(a, b), f"{name} differs between the tuned and the default kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_static_and_dynamic_kernels_agree_bitwise_gpu(forest_sequences):
+    """At a bucket length both compiled kernels may run a row; they must give the same bits."""
+    num_tokens = 5120
+    assert flex_backend.run_length(num_tokens) == (num_tokens, True)
+    sequences = forest_sequences(seed=7, depth=3, max_segment=400)
+    layout = plan_shared_prefix(sequences, capacity=num_tokens, pad_multiple=num_tokens).rows[0]
+    forest = ForestTensors.from_layout(layout, "cuda")
+    block_mask = flex_backend.tree_block_mask(forest)
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    query, key, value = (
+        torch.randn(1, heads, num_tokens, 128, generator=generator, device="cuda")
+        .to(torch.bfloat16)
+        .requires_grad_()
+        for heads in (8, 2, 2)
+    )
+    upstream = torch.randn(1, 8, num_tokens, 128, generator=generator, device="cuda").bfloat16()
+
+    def forward_backward(static):
+        # pylint: disable-next=protected-access
+        out = flex_backend._flex_attention_compiled(
+            static,
+            query,
+            key,
+            value,
+            block_mask=block_mask,
+            scale=0.088,
+            enable_gqa=True,
+            kernel_options=flex_backend.KERNEL_OPTIONS,
+        )
+        return (out, *torch.autograd.grad(out, (query, key, value), upstream))
+
+    with _dynamo_enabled():
+        static, dynamic = forward_backward(True), forward_backward(False)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), static, dynamic):
+        assert torch.equal(a, b), f"{name} differs between the static and the dynamic kernel"
