@@ -22,13 +22,15 @@ nothing; their outputs are sliced off. Two compiled kernels serve all lengths:
 * every other length runs one kernel compiled with dynamic shapes and told that the lengths are
   multiples of 128 (FlexAttention's ``IS_DIVISIBLE``), which a dynamic compile cannot prove itself.
 
-Measured on an H200 on 2026-11-29 (bf16, 32 heads x 128, forward+backward): on a 20480-token star
-row the static kernel took 13.1-13.4 ms and a plain dynamic one 16.4 ms (it bounds-checks every
-tile; ``torch._check`` that the length is a multiple of 128 did not change that); with
-``IS_DIVISIBLE`` the dynamic kernel ran 2-5% slower than the static one on rows of 9K-20K tokens,
-with bitwise the same outputs and gradients (tested). Padding those rows to the next bucket
-instead, so that a static kernel could run, cost 9-19%: the copies of q, k, v and of the output
-gradient. Contiguous [1, H, T, D] copies were slower than padding in Megatron's [T, 1, H, D] order.
+Measured on an H200 on 2026-11-29 (bf16, 32 heads x 128, forward+backward): a plain dynamic-shape
+compile bounds-checks every tile and ran 23% slower than a static one on a 20480-token row
+(``torch._check`` that the length is a multiple of 128 did not change that); with ``IS_DIVISIBLE``
+the dynamic kernel gives bitwise the results of the static one (tested) and ran 2-5% slower on rows
+of 9K-20K tokens. Padding such rows to the next bucket instead, so that a static kernel could run,
+cost 9-19%: the copies of q, k, v and of the output gradient. Contiguous [1, H, T, D] copies were
+slower than padding in Megatron's [T, 1, H, D] order. Compiling the layout changes into the graph
+(``_flex_attention_rows``) then made both kernels 2-7% faster; docs/benchmarks.md has the table
+against stock FlexAttention.
 
 Not used: PyTorch's cuDNN attention, faster than FlexAttention for dense causal attention on an
 H200 (the dense baseline of docs/benchmarks.md runs on it), so a tree could be split into dense
@@ -79,25 +81,38 @@ def run_length(num_tokens: int) -> tuple[int, bool]:
     return length, bucket_length(length) == length
 
 
-def _flex_attention_divisible(query, key, value, *, kernel_options, **kwargs):
-    """flex_attention told that both lengths are multiples of BLOCK_SIZE (no bounds checks on tile
-    loads), which a dynamic-shape compile cannot prove by itself."""
+def _flex_attention_rows(query, key, value, **kwargs):
+    """flex_attention on Megatron's [T, 1, H, D] layout: [T, 1, H * D] out.
+
+    Compiled as a whole, so the layout changes are inside the graph: the output leaves it, and its
+    gradient enters it, contiguous in [T, 1, H * D] order. A graph whose output is FlexAttention's
+    [1, H, T, D] view copies the incoming gradient into [1, H, T, D] order first (seen in the
+    generated backward of the dynamic-shape kernel).
+    """
+    num_tokens, _, num_heads, head_dim = query.shape
+    out = flex_attention(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), **kwargs)
+    return out.permute(2, 0, 1, 3).reshape(num_tokens, 1, num_heads * head_dim)
+
+
+def _flex_attention_rows_divisible(query, key, value, *, kernel_options, **kwargs):
+    """``_flex_attention_rows`` told that both lengths are multiples of BLOCK_SIZE (no bounds checks
+    on tile loads), which a dynamic-shape compile cannot prove by itself."""
     options = {**kernel_options, "IS_DIVISIBLE": True}
-    return flex_attention(query, key, value, kernel_options=options, **kwargs)
+    return _flex_attention_rows(query, key, value, kernel_options=options, **kwargs)
 
 
 _compiled_kernels = {}  # static: bool -> compiled callable, built on first use
 
 
 def _flex_attention_compiled(static: bool, *args, **kwargs):
-    """The static-shape or the dynamic-shape compiled flex_attention, called with Dynamo's
+    """``_flex_attention_rows`` compiled with static or with dynamic shapes, called with Dynamo's
     recompile limit raised to MAX_COMPILED_KERNELS (a scoped config patch) so every bucket stays
     compiled."""
     if static not in _compiled_kernels:
         _compiled_kernels[static] = (
-            torch.compile(flex_attention, dynamic=False)
+            torch.compile(_flex_attention_rows, dynamic=False)
             if static
-            else torch.compile(_flex_attention_divisible, dynamic=True)
+            else torch.compile(_flex_attention_rows_divisible, dynamic=True)
         )
     # pylint: disable-next=no-member,protected-access
     with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_KERNELS):
@@ -190,18 +205,17 @@ class _FirstTokens(torch.autograd.Function):
         return torch.nn.functional.pad(grad, padding), None
 
 
-def _heads_first(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[T, 1, H, D] -> [1, H, num_tokens, D] view (FlexAttention's layout, Megatron's memory).
+def _padded(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T, 1, H, D] zero-padded to [num_tokens, 1, H, D] (no copy when T == num_tokens).
 
-    A row shorter than ``num_tokens`` is zero-padded first, one copy in the same [T, 1, H, D] memory
-    order, so that every call hands the compiled kernel the same strides (strides are part of what
-    a static compile is specialized on) and a row that is already a bucket is not copied at all.
-    Zeros rather than uninitialized memory: the mask gives padded keys probability 0, but a kernel
-    may still multiply that 0 by a product with padded values, and 0 * NaN is NaN.
+    Padded in the same [T, 1, H, D] memory order, so every call hands the compiled kernel the same
+    strides (strides are part of what a static compile is specialized on). Zeros rather than
+    uninitialized memory: the mask gives padded keys probability 0, but a kernel may still multiply
+    that 0 by a product with padded values, and 0 * NaN is NaN.
     """
     if num_tokens > x.shape[0]:
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 0, 0, num_tokens - x.shape[0]))
-    return x.permute(1, 2, 0, 3)
+    return x
 
 
 def tree_attention(
@@ -221,7 +235,7 @@ def tree_attention(
     row. The block mask is built once per forest and cached on it. ``compiled=False`` runs
     FlexAttention eagerly (its reference implementation; used on CPU in tests).
     """
-    num_tokens, batch, num_heads, head_dim = query.shape
+    num_tokens, batch, num_heads, _ = query.shape
     if batch != 1 or num_tokens != forest.num_tokens:
         raise ValueError(
             f"tree attention expects [T={forest.num_tokens}, 1, H, D] queries for this forest, "
@@ -232,15 +246,12 @@ def tree_attention(
         ("flex_block_mask", BLOCK_SIZE, padded),
         lambda: tree_block_mask(forest, num_tokens=padded),
     )
-    q, k, v = (_heads_first(t, padded) for t in (query, key, value))
+    q, k, v = (_padded(t, padded) for t in (query, key, value))
     options = {"block_mask": block_mask, "scale": softmax_scale}
     options["enable_gqa"] = key.shape[2] != num_heads
     if compiled:
         out = _flex_attention_compiled(static, q, k, v, kernel_options=KERNEL_OPTIONS, **options)
     else:
-        out = flex_attention(q, k, v, **options)
-    # [1, H, T_run, D] -> [T_run, 1, H, D] -> [T, 1, H * D]
-    out = out.permute(2, 0, 1, 3)
-    if padded > num_tokens:
-        out = _FirstTokens.apply(out, num_tokens)
-    return out.reshape(num_tokens, 1, num_heads * head_dim)
+        out = _flex_attention_rows(q, k, v, **options)
+    # [T_run, 1, H * D] -> [T, 1, H * D]
+    return _FirstTokens.apply(out, num_tokens) if padded > num_tokens else out

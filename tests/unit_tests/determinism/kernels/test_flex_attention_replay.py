@@ -129,12 +129,12 @@ def test_static_and_dynamic_kernels_agree_bitwise_gpu(forest_sequences):
     block_mask = flex_backend.tree_block_mask(forest)
     generator = torch.Generator(device="cuda").manual_seed(7)
     query, key, value = (
-        torch.randn(1, heads, num_tokens, 128, generator=generator, device="cuda")
+        torch.randn(num_tokens, 1, heads, 128, generator=generator, device="cuda")
         .to(torch.bfloat16)
         .requires_grad_()
         for heads in (8, 2, 2)
     )
-    upstream = torch.randn(1, 8, num_tokens, 128, generator=generator, device="cuda").bfloat16()
+    upstream = torch.randn(num_tokens, 1, 8 * 128, generator=generator, device="cuda").bfloat16()
 
     def forward_backward(static):
         # pylint: disable-next=protected-access
