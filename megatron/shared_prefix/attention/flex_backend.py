@@ -46,11 +46,11 @@ from megatron.shared_prefix.tensors import ForestTensors
 
 BLOCK_SIZE = 128
 
-# Every bucket a run meets is one more static compile: one more Dynamo cache entry on
-# flex_attention's code object (per dtype, head shape and grad mode). Past
+# Every bucket a run meets is one more static compile: one more Dynamo cache entry on the code of
+# _flex_attention_rows (per dtype, head shape and grad mode). Past
 # torch._dynamo.config.recompile_limit (default 8) Dynamo would run flex_attention eagerly, which
-# materializes [T, T] scores and runs out of memory on long rows. With four buckets per
-# octave, all row lengths up to 2^20 tokens fall into 48 buckets.
+# materializes [T, T] scores and runs out of memory on long rows. With four buckets per octave,
+# all row lengths up to 2^20 tokens fall into 48 buckets.
 MAX_COMPILED_KERNELS = 64
 
 # The forward kernel loads its tiles with TMA (tensor memory accelerator) on Hopper and newer;
