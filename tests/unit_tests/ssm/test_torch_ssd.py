@@ -12,18 +12,9 @@ import inspect
 
 import pytest
 import torch
+from forest_rows import EXACT, rel_err
 
 from megatron.shared_prefix.ssm import reference, torch_ssd
-
-EXACT = 1e-10
-
-
-def rel_err(actual, expected):
-    """max|actual - expected| / max|expected| (0 when both are all zeros)."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    scale = expected.abs().max()
-    diff = (actual - expected).abs().max()
-    return float(diff / scale) if scale > 0 else float(diff)
 
 
 def sequence_ids(lengths_per_row, first_id=0):

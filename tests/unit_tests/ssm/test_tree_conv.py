@@ -13,32 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from forest_rows import EXACT, SHORT_CHAIN, make_forest, rel_err
 
-from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.ssm import reference
 from megatron.shared_prefix.ssm.tree_conv import tree_causal_conv1d
-from megatron.shared_prefix.tensors import ForestTensors
-
-EXACT = 1e-10
-
-# Root "1"; children "2 3" and "9"; "2 3" has children "4 5" and "8"; "4 5" has children "6" and "7".
-# With width 4, the windows of 6, 7 and 8 reach two segments up, and 9's passes the root.
-SHORT_CHAIN = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 2, 3, 8], [1, 9]]
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.detach().double(), expected.detach().double()
-    scale = expected.abs().max()
-    diff = (actual - expected).abs().max()
-    return float(diff / scale) if scale > 0 else float(diff)
-
-
-def make_forest(sequences, pad_multiple=1):
-    """(layout, ForestTensors on CPU) of one row holding every sequence."""
-    capacity = sum(len(s) for s in sequences) + pad_multiple
-    layout = plan_shared_prefix(sequences, capacity=capacity, pad_multiple=pad_multiple).rows[0]
-    layout.validate()
-    return layout, ForestTensors.from_layout(layout, "cpu")
 
 
 def conv_inputs(num_tokens, channels, width, *, dtype=torch.float64, bias=True, seed=0):

@@ -18,29 +18,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from forest_rows import EXACT, SHORT_CHAIN, make_forest, rel_err
 
-from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.ssm import reference, torch_ssd
 from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, tree_ssd_scan, triton_chunk_scan
-from megatron.shared_prefix.tensors import ForestTensors
-
-EXACT = 1e-10
-SHORT_CHAIN = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 2, 3, 8], [1, 9]]
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.detach().double(), expected.detach().double()
-    scale = expected.abs().max()
-    diff = (actual - expected).abs().max()
-    return float(diff / scale) if scale > 0 else float(diff)
-
-
-def make_forest(sequences, pad_multiple=1, device="cpu"):
-    """(layout, ForestTensors) of one row holding every sequence."""
-    capacity = sum(len(s) for s in sequences) + pad_multiple
-    layout = plan_shared_prefix(sequences, capacity=capacity, pad_multiple=pad_multiple).rows[0]
-    layout.validate()
-    return layout, ForestTensors.from_layout(layout, device)
 
 
 def scan_inputs(
