@@ -191,7 +191,7 @@ def tree_block_mask(
 
 
 class _FirstTokens(torch.autograd.Function):
-    """``x[:num_tokens]`` of a padded [T_bucket, ...] tensor, whose backward zero-pads the gradient
+    """``x[:num_tokens]`` of a padded [T_run, ...] tensor, whose backward zero-pads the gradient
     in one pass (a slice's backward fills a zero tensor, then copies the gradient into it)."""
 
     @staticmethod
