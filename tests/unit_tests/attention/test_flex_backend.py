@@ -166,7 +166,7 @@ def test_padded_row_gradients_match_torch_backend(forest_sequences, monkeypatch,
 
 def test_first_tokens_backward_pads_the_gradient_in_row_order():
     """The output slice of a padded row: same values and gradient as slicing, the gradient laid out
-    as a contiguous [T_bucket, ...] tensor (FlexAttention's output order), zeros past T."""
+    as a contiguous [T_run, ...] tensor (FlexAttention's output order), zeros past T."""
     padded = torch.randn(12, 1, 3, 4, dtype=torch.float64, requires_grad=True)
     out = flex_backend._FirstTokens.apply(padded, 9)  # pylint: disable=protected-access
     assert torch.equal(out, padded[:9]) and out.data_ptr() == padded.data_ptr()
