@@ -83,6 +83,7 @@ class Case:
     tied: bool = False
     config: tuple = ()
     seed: int = 0
+    replay: bool = False
 
     @property
     def equal_rows(self) -> bool:
@@ -97,9 +98,11 @@ class Case:
 CASES = {
     "tp2": Case("M*-M*", tp=2, seed=1),
     "tp2_tied_learned": Case("*-M", tp=2, tied=True, seed=2, config=(("learned", True),)),
-    "tp2_sp": Case("M*-M*", tp=2, sp=True, seed=3),
+    "tp2_sp": Case("M*-M*", tp=2, sp=True, seed=3, replay=True),
     "tp2_sp_moe_allgather": Case("M*E-E", tp=2, sp=True, seed=4),
-    "tp2_sp_moe_alltoall": Case("*EM", tp=2, sp=True, dispatcher="alltoall", seed=5),
+    "tp2_sp_moe_alltoall": Case(
+        "*EM", tp=2, sp=True, dispatcher="alltoall", seed=5, replay=True
+    ),
     "ep2_dp2_allgather": Case("M*E", ep=2, seed=6),
     "ep2_dp2_alltoall": Case("*E-E", ep=2, dispatcher="alltoall", seed=7),
     "pp2": Case("M*|-M*", pp=2, dispatcher="alltoall", seed=8),
@@ -295,6 +298,16 @@ def run_case(case: Case) -> dict:
     model = _build(case, parallel=True)
     load_full_tensors(model, full_weights)
     losses, counts, num_rows = _forest_step(case, model, rows, weights)
+    replay_bitwise = None
+    if case.replay:
+        # Kernel-determinism replay of the parallel step (manifest: tree_mamba_scan).
+        again = _build(case, parallel=True)
+        load_full_tensors(again, full_weights)
+        losses_again = _forest_step(case, again, rows, weights)[0]
+        replay_bitwise = all(torch.equal(losses[k], losses_again[k]) for k in losses) and all(
+            torch.equal(a.main_grad, b.main_grad)
+            for a, b in zip(model.parameters(), again.parameters())
+        )
 
     # Losses: every row's, from the last stage of the rank that ran it (the same on every TP rank).
     everyone = [None] * dist.get_world_size()
@@ -327,6 +340,10 @@ def run_case(case: Case) -> dict:
         tp_ranks_agree=bool(tp_ranks_agree),
         rows=len(rows),
     )
+    if replay_bitwise is not None:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, replay_bitwise)
+        result["replay_bitwise"] = all(everyone)
     if case.moe:
         local = counts if counts is not None else torch.zeros(0, dtype=torch.int64)
         everyone = [None] * dist.get_world_size()

@@ -2,7 +2,8 @@
 reference (parallel_cases.py runs the cases; one launched job per world size).
 
 Tolerances are the exactness contract's (docs/architecture.md): per-edge losses rel 1e-5, every
-gradient rel 1e-4 after megatron's reductions; MoE expert counts equal.
+gradient rel 1e-4 after megatron's reductions; MoE expert counts equal. Two cases also replay the
+parallel step and compare losses and gradients bit for bit (kernel-determinism manifest).
 """
 
 import json
@@ -88,3 +89,5 @@ def test_parallel_forest_matches_dense(results, world_size, name):
     assert result["tp_ranks_agree"], result
     if "counts_equal" in result:
         assert result["counts_equal"], result
+    if "replay_bitwise" in result:
+        assert result["replay_bitwise"], result
