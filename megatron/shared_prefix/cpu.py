@@ -18,10 +18,12 @@ megatron-core 0.19.2 assumes CUDA in a few places that a CPU run reaches (DESIGN
   communication calls ``torch.cuda.synchronize()``, and with pipeline parallelism and tied
   embeddings ``LanguageModule.setup_embeddings_and_output_layer`` moves the last stage's copy of
   the word embedding with ``.cuda()`` before synchronizing it;
+* megatron.training's ``validate_args`` asks for the GPU's architecture under tensor parallelism
+  (``get_device_arch_version``) and then requires ``CUDA_DEVICE_MAX_CONNECTIONS=1``;
 * ``MambaMixer`` binds mamba_ssm's ``RMSNorm``, ``mamba_chunk_scan_combined`` and
   ``mamba_split_conv1d_scan_combined`` when ``megatron.core.ssm.mamba_mixer`` is first imported.
 
-:func:`enable_cpu` handles the first five when CUDA is absent (a host stream object stands in for
+:func:`enable_cpu` handles the first six when CUDA is absent (a host stream object stands in for
 every CUDA stream: on a CPU all work is already ordered); :func:`install_mamba_ssm_fallback`
 registers our pure-torch SSD implementation under mamba_ssm's module names when mamba_ssm cannot be
 imported (on any machine), and is called before this package first imports the Mamba mixer.
@@ -29,6 +31,7 @@ imported (on any machine), and is called before this package first imports the M
 
 import contextlib
 import functools
+import os
 import sys
 import types
 
@@ -148,6 +151,11 @@ def _no_device_work(*_args, **_kwargs) -> None:
     return None
 
 
+def _no_device_architecture() -> int:
+    """No CUDA architecture: megatron.training's pre-Blackwell rules apply."""
+    return 0
+
+
 def _on_host(method):
     """``method`` with ``Tensor.cuda()`` returning the tensor itself while it runs."""
 
@@ -201,6 +209,7 @@ def enable_cpu() -> bool:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import token_dispatcher
+    from megatron.training import arguments as training_arguments
 
     torch.cuda.current_device = _cpu_current_device
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
@@ -220,5 +229,8 @@ def enable_cpu() -> bool:
     torch.cuda.stream = _host_stream_context
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HOST_STREAM
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    training_arguments.get_device_arch_version = _no_device_architecture
+    # Megatron requires it with tensor parallelism before Blackwell; without CUDA it means nothing.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _cpu_enabled = True
     return True

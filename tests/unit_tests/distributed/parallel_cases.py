@@ -100,9 +100,7 @@ CASES = {
     "tp2_tied_learned": Case("*-M", tp=2, tied=True, seed=2, config=(("learned", True),)),
     "tp2_sp": Case("M*-M*", tp=2, sp=True, seed=3, replay=True),
     "tp2_sp_moe_allgather": Case("M*E-E", tp=2, sp=True, seed=4),
-    "tp2_sp_moe_alltoall": Case(
-        "*EM", tp=2, sp=True, dispatcher="alltoall", seed=5, replay=True
-    ),
+    "tp2_sp_moe_alltoall": Case("*EM", tp=2, sp=True, dispatcher="alltoall", seed=5, replay=True),
     "ep2_dp2_allgather": Case("M*E", ep=2, seed=6),
     "ep2_dp2_alltoall": Case("*E-E", ep=2, dispatcher="alltoall", seed=7),
     "pp2": Case("M*|-M*", pp=2, dispatcher="alltoall", seed=8),
@@ -130,6 +128,7 @@ def _config(case: Case, parallel: bool):
         # alltoall dispatcher).
         variable_seq_lengths=parallel and case.pp > 1,
         pipeline_dtype=torch.float32,
+        deallocate_pipeline_outputs=True,
         moe_token_dispatcher_type=case.dispatcher,
     )
     if case.moe:

@@ -14,6 +14,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
 from megatron.shared_prefix.layout import ForestLayout
@@ -108,7 +109,10 @@ class SharedPrefixHybridModel(HybridModel):
         with forest_scope(forest):
             hidden_states = self._forest_stack(forest)
             if not self.post_process:
-                return hidden_states
+                # The schedule frees a stage's output after sending it: it must own its storage.
+                return make_viewless_tensor(
+                    hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
+                )
             return self._edge_loss(hidden_states, forest)
 
     def _device(self) -> torch.device:
