@@ -145,7 +145,7 @@ def add_shared_prefix_args(
         type=str,
         default=os.path.join("runs", "pretrain_hybrid", "metrics.jsonl"),
         help="Write one JSON object of step metrics per iteration here ('' disables). Truncated at "
-        "the start of a fresh run, appended to when resuming with --load.",
+        "the start of a fresh run, and to the resumed iteration when resuming with --load.",
     )
     group.add_argument(
         "--shared-prefix-trainer",

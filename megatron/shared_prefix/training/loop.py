@@ -227,7 +227,7 @@ class _Trainer:
         writer = MetricsWriter(
             log_interval=logging.log_interval,
             jsonl_path=logging.metrics_jsonl,
-            append=position.iteration > 0,
+            resume_iteration=position.iteration,
             tensorboard=open_tensorboard(logging.tensorboard_dir, self.log),
             log=self.log,
         )

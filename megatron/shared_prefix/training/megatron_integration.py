@@ -296,7 +296,7 @@ class MegatronSession:
             writer = MetricsWriter(
                 log_interval=self.config.logging.log_interval,
                 jsonl_path=self.config.logging.metrics_jsonl,
-                append=args.iteration > 0,
+                resume_iteration=args.iteration,
                 tensorboard=get_tensorboard_writer(),
             )
         self.meter = StepMeter(

@@ -81,7 +81,8 @@ def test_resume_continues_the_same_trajectory(train, tmp_path):
         assert after.loss == pytest.approx(before.loss, rel=1e-6)
         assert after.grad_norm == pytest.approx(before.grad_norm, rel=1e-5)
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 3, 4]  # resume appends
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # truncated to 2, then 3 and 4 again
+    assert [r["loss"] for r in records[2:]] == [m.loss for m in resumed]
 
 
 def test_load_rejects_a_checkpoint_of_another_model(train, tmp_path):
