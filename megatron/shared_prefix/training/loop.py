@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from megatron.shared_prefix.training.checkpointing import (
 from megatron.shared_prefix.training.config import RunConfig, ScheduleConfig
 from megatron.shared_prefix.training.data import ExampleStream
 from megatron.shared_prefix.training.distributed import init_single_process
+from megatron.shared_prefix.training.integrity import iteration_to_load
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, open_tensorboard
 from megatron.shared_prefix.training.model import (
     build_model,
@@ -148,12 +149,16 @@ def train_step(
 def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMetrics]:
     """Parse ``argv``, train with the single-process loop, return the metrics of every step run.
 
-    Everything that can be rejected (flags, data records, checkpoint signature) is checked before
-    the first optimizer step.
+    Everything that can be rejected (flags, data records, the checkpoint's integrity and
+    signature) is checked before the first optimizer step and before any file is written.
     """
     args = parse_arguments(argv)
     config = RunConfig.from_args(args, trainer="loop")
     dataset = config.data.load()
+    checkpoint = config.checkpoint
+    resume_iteration = (
+        iteration_to_load(checkpoint.load, checkpoint.ckpt_step) if checkpoint.load else None
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     where = device.type
@@ -174,7 +179,9 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
     log(f"[shared-prefix] data: {dataset.summary()}")
     try:
         trainer = _Trainer(args, config, device, log)
-        return trainer.train(ExampleStream(dataset, config.batch.global_batch_size))
+        return trainer.train(
+            ExampleStream(dataset, config.batch.global_batch_size), resume_iteration
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -201,28 +208,33 @@ class _Trainer:
             "tokens"
         )
 
-    def _resume(self) -> TrainingPosition:
-        """The position to start from: ``--load``'s latest checkpoint, or the beginning."""
+    def _resume(self, iteration: Optional[int]) -> TrainingPosition:
+        """The position to start from: the verified checkpoint of ``iteration``, or the beginning
+        (``iteration`` None: no ``--load``, or nothing saved in it yet)."""
         directory = self.config.checkpoint.load
-        fresh = TrainingPosition(iteration=0, consumed_samples=0)
-        if not directory:
-            return fresh
+        if iteration is None:
+            if directory:
+                self.log(
+                    f"[shared-prefix] --load {directory}: no checkpoint yet, starting from scratch"
+                )
+            return TrainingPosition(iteration=0, consumed_samples=0)
         loaded = load_checkpoint(
             directory,
+            iteration,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             signature=self.signature,
         )
-        if loaded is None:
-            self.log(f"[shared-prefix] --load {directory}: no checkpoint, starting from scratch")
-            return fresh
         self.log(f"[shared-prefix] resumed from {directory} at iteration {loaded.iteration}")
         return loaded
 
-    def train(self, stream: ExampleStream) -> list[StepMetrics]:
-        """Run to ``--train-iters``; save at ``--save-interval`` and after the last step."""
-        position = self._resume()
+    def train(
+        self, stream: ExampleStream, resume_iteration: Optional[int] = None
+    ) -> list[StepMetrics]:
+        """Resume from ``resume_iteration`` (verified) if given, run to ``--train-iters``; save at
+        ``--save-interval`` and after the last step."""
+        position = self._resume(resume_iteration)
         logging = self.config.logging
         writer = MetricsWriter(
             log_interval=logging.log_interval,

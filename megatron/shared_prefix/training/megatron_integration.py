@@ -19,6 +19,10 @@ and its schedule cannot take a count that changes from step to step. So:
   optimizer step, one LR increment and one logged iteration per original global batch, and
   ``consumed samples`` counts original examples (a resumed run starts at that example).
 
+Checkpoints are Megatron's, with this package's integrity record (integrity.py) added after
+every persistent save (:func:`with_integrity_records`), and the checkpoint ``--load`` names is
+verified before ``pretrain`` starts, on every rank for its share of the files.
+
 Step metrics (tokens, saving, tokens/s) are gathered by a :class:`StepMeter` that the data iterator
 closes at each step boundary: it all-reduces the per-rank counts over the data-parallel group, and
 the last rank writes the log line, JSONL record and TensorBoard scalars next to Megatron's own line.
@@ -28,9 +32,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -38,6 +43,11 @@ from megatron.shared_prefix.training.arguments import extra_args_provider
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
 from megatron.shared_prefix.training.data import Dataset, ExampleStream
+from megatron.shared_prefix.training.integrity import (
+    iteration_dir,
+    iteration_to_load,
+    write_integrity_record,
+)
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics
 from megatron.shared_prefix.training.model import (
     build_model,
@@ -45,7 +55,15 @@ from megatron.shared_prefix.training.model import (
     weighted_loss_sum,
 )
 
-__all__ = ["pad_rows", "RowIterator", "StepMeter", "MegatronSession", "pretrain_with_megatron"]
+__all__ = [
+    "pad_rows",
+    "RowIterator",
+    "StepMeter",
+    "MegatronSession",
+    "with_integrity_records",
+    "verify_load_directory",
+    "pretrain_with_megatron",
+]
 
 
 def pad_rows(step: StepBatch, num_rows: int, batch: BatchConfig) -> StepBatch:
@@ -362,7 +380,6 @@ def _use_prebuilt_dataset_helpers() -> None:
     is left to build as usual.
     """
     import importlib.util
-    import os
     import tempfile
 
     from megatron.core import datasets
@@ -377,10 +394,59 @@ def _use_prebuilt_dataset_helpers() -> None:
     os.environ["MAKEFILES"] = path
 
 
+def with_integrity_records(save_checkpoint: Callable, save_dir: Callable[[], str]) -> Callable:
+    """Megatron's ``save_checkpoint`` followed by this package's integrity record.
+
+    After Megatron's save returns on every rank (synchronous saves only; ``--async-save`` is refused
+    with ``--save``), rank 0 records every file of ``iter_XXXXXXX/`` under ``save_dir()`` (read at
+    save time: checkpoint conversion changes ``--save``). Megatron writes its tracker inside its
+    save, so a job killed between the tracker and the record leaves the newest iteration without
+    a record: ``--load`` then reports it as unfinished and names the newest intact iteration.
+    Non-persistent and release saves get no record (``--load`` does not read them).
+    """
+
+    @functools.wraps(save_checkpoint)
+    def save(iteration, *args, non_persistent_ckpt=False, release=False, **kwargs):
+        save_checkpoint(
+            iteration, *args, non_persistent_ckpt=non_persistent_ckpt, release=release, **kwargs
+        )
+        if non_persistent_ckpt or release:
+            return
+        distributed = torch.distributed.is_initialized()
+        if distributed:
+            torch.distributed.barrier()
+        if not distributed or torch.distributed.get_rank() == 0:
+            write_integrity_record(iteration_dir(save_dir(), iteration), iteration)
+        if distributed:
+            torch.distributed.barrier()
+
+    return save
+
+
+def verify_load_directory(args) -> Optional[int]:
+    """Verify the checkpoint that Megatron will load from ``--load`` (tracker or ``--ckpt-step``).
+
+    Called before ``pretrain``: each rank (``RANK`` of ``WORLD_SIZE``) hashes its share of the
+    files and checks the size of all of them.
+
+    Returns:
+        The iteration that will be loaded, or None (no ``--load``, or nothing saved there yet).
+
+    Raises:
+        CheckpointError: naming the bad file, the newest intact iteration and how to load it.
+    """
+    if not args.load:
+        return None
+    shard = (int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1")))
+    return iteration_to_load(args.load, args.ckpt_step, shard=shard)
+
+
 def pretrain_with_megatron() -> None:
-    """Parse sys.argv with Megatron's parser and ours, check flags and data, run ``pretrain``."""
+    """Parse sys.argv with Megatron's parser and ours, check flags, data and the checkpoint to
+    load, then run ``pretrain`` with integrity records after every save."""
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
+    from megatron.training import get_args, pretrain
+    from megatron.training import training as megatron_training
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.utils import print_rank_0
@@ -390,6 +456,7 @@ def pretrain_with_megatron() -> None:
         args, trainer="megatron", data_parallel_size=args.data_parallel_size
     )
     dataset = config.data.load()
+    verify_load_directory(args)
     print_rank_0(
         f"[shared-prefix] trainer: megatron.training.pretrain on {args.world_size} GPU(s) "
         f"| packing: {'on' if config.batch.packing else 'off (dense)'} "
@@ -399,6 +466,9 @@ def pretrain_with_megatron() -> None:
     print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
     session = MegatronSession(config, dataset)
     _use_prebuilt_dataset_helpers()
+    megatron_training.save_checkpoint = with_integrity_records(
+        megatron_training.save_checkpoint, lambda: get_args().save
+    )
     pretrain(
         pretrain_cfg_container_from_args(args),
         session.datasets_provider,

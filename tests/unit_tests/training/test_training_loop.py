@@ -195,6 +195,8 @@ def test_bad_data_fails_before_any_state_changes(train, tmp_path, write_jsonl):
         (("--vocab-size", "32"), "--vocab-size 32 is below"),
         (("--shared-prefix-capacity", "0"), "--shared-prefix-capacity must be >= 1"),
         (("--shared-prefix-capacity", "8"), "longer than the row capacity 8"),
+        (("--ckpt-step", "3"), "--ckpt-step 3 needs --load"),
+        (("--load", "no/such/dir"), "--load no/such/dir: no such directory"),
     ],
 )
 def test_bad_flags_are_named(train, tmp_path, flags, message):
@@ -202,6 +204,15 @@ def test_bad_flags_are_named(train, tmp_path, flags, message):
         train(*flags)
     assert message in str(error.value)
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_load_of_the_save_directory_may_not_exist_yet(train, tmp_path):
+    save = str(tmp_path / "ckpt")
+    history, lines = train(
+        *FAST, "--train-iters", "1", "--save", save, "--save-interval", "1", "--load", save
+    )
+    assert len(history) == 1 and any("no checkpoint yet" in line for line in lines)
+    assert os.path.isdir(save)
 
 
 def test_jsonl_sft_and_rl_examples_train(train):
