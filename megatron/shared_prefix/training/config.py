@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointConfig",
     "RunConfig",
     "LOOP_UNSUPPORTED",
+    "check_flags_before_megatron",
 ]
 
 
@@ -283,6 +284,14 @@ class RunConfig:
             else args.seq_length
         )
         _require(capacity is not None, "--shared-prefix-capacity (or --seq-length) is required")
+        _require(
+            args.position_embedding_type != "learned_absolute"
+            or capacity <= args.max_position_embeddings,
+            f"row capacity {capacity} (--shared-prefix-capacity, default --seq-length) exceeds "
+            f"--max-position-embeddings {args.max_position_embeddings}: with "
+            "--position-embedding-type learned_absolute no position may reach it; lower the "
+            "capacity or raise --max-position-embeddings",
+        )
         return cls(
             trainer=trainer,
             data=DataConfig(
@@ -337,6 +346,36 @@ class RunConfig:
                 ckpt_step=args.ckpt_step,
             ),
         )
+
+
+def check_flags_before_megatron(args: argparse.Namespace) -> None:
+    """Flag values that Megatron's ``validate_args`` rejects with a bare assert (no message).
+
+    Run on the parsed namespace before ``validate_args``, so the error names the flag.
+
+    Raises:
+        ConfigError: naming the flag.
+    """
+    _require(
+        args.micro_batch_size is not None,
+        "--micro-batch-size is required (1 fits every packed row; see docs/training.md)",
+    )
+    for name in ("global_batch_size", "micro_batch_size", "train_iters"):
+        value = getattr(args, name)
+        _require(value is None or value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+    _require(
+        args.save_interval is None or args.save_interval >= 1,
+        f"--save-interval must be >= 1, got {args.save_interval}",
+    )
+    _require(
+        args.save is None or args.save_interval is not None,
+        f"--save {args.save} needs --save-interval N (save every N iterations; the loop also "
+        "saves after the last one)",
+    )
+    _require(
+        args.ckpt_step is None or args.ckpt_step >= 0,
+        f"--ckpt-step must be >= 0, got {args.ckpt_step}",
+    )
 
 
 def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:

@@ -39,7 +39,11 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron.shared_prefix.training.arguments import extra_args_provider
+from megatron.shared_prefix.training.arguments import (
+    extra_args_provider,
+    megatron_argument_dump,
+    parse_without_validation,
+)
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
 from megatron.shared_prefix.training.data import Dataset, ExampleStream
@@ -451,7 +455,9 @@ def pretrain_with_megatron() -> None:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.utils import print_rank_0
 
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider(sys.argv[1:]))
+    verbose = parse_without_validation(sys.argv[1:]).shared_prefix_verbose
+    with megatron_argument_dump(verbose):
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider(sys.argv[1:]))
     config = RunConfig.from_args(
         args, trainer="megatron", data_parallel_size=args.data_parallel_size
     )

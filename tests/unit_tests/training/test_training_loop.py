@@ -195,15 +195,25 @@ def test_bad_data_fails_before_any_state_changes(train, tmp_path, write_jsonl):
         (("--vocab-size", "32"), "--vocab-size 32 is below"),
         (("--shared-prefix-capacity", "0"), "--shared-prefix-capacity must be >= 1"),
         (("--shared-prefix-capacity", "8"), "longer than the row capacity 8"),
+        (("--global-batch-size", "0"), "--global-batch-size must be >= 1, got 0"),
+        (("--global-batch-size", "-4"), "--global-batch-size must be >= 1, got -4"),
+        (("--save", "ckpt"), "--save ckpt needs --save-interval N"),
+        (("--save", "ckpt", "--save-interval", "0"), "--save-interval must be >= 1, got 0"),
         (("--ckpt-step", "3"), "--ckpt-step 3 needs --load"),
+        (
+            ("--position-embedding-type", "learned_absolute", "--shared-prefix-capacity", "300"),
+            "row capacity 300 (--shared-prefix-capacity, default --seq-length) exceeds "
+            "--max-position-embeddings 256",
+        ),
         (("--load", "no/such/dir"), "--load no/such/dir: no such directory"),
     ],
 )
-def test_bad_flags_are_named(train, tmp_path, flags, message):
+def test_bad_flags_are_named(train, tmp_path, flags, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as error:
         train(*flags)
     assert message in str(error.value)
-    assert not os.path.exists(tmp_path / "metrics.jsonl")
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 def test_load_of_the_save_directory_may_not_exist_yet(train, tmp_path):
