@@ -33,6 +33,7 @@ __all__ = [
     "load_jsonl_dataset",
     "builtin_dataset",
     "BUILTIN_MIN_VOCAB_SIZE",
+    "repetition_warning",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -569,3 +570,22 @@ class ExampleStream:
         examples = self.dataset.examples
         start = consumed_examples
         return [examples[(start + i) % len(examples)] for i in range(self.global_batch_size)]
+
+
+def repetition_warning(dataset: Dataset, global_batch_size: int) -> str | None:
+    """The warning for a global batch larger than the dataset, or None.
+
+    The stream wraps around inside such a batch, so a step holds some examples twice or more:
+    they are trained on with the multiplicity they have in the batch, and the repeated copies
+    are computed once by the planner, which inflates the logged saving.
+    """
+    size = len(dataset.examples)
+    if global_batch_size <= size:
+        return None
+    return (
+        f"[shared-prefix] warning: --global-batch-size {global_batch_size} is larger than the "
+        f"{size} examples of {dataset.name}: the stream wraps around inside every step, so each "
+        f"step holds examples {global_batch_size / size:.2f} times on average (weighted by that "
+        "count in the loss), and the repeated copies are computed once, which inflates the "
+        "logged saving (docs/data.md, Order)"
+    )

@@ -31,7 +31,7 @@ from megatron.shared_prefix.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.shared_prefix.training.config import RunConfig, ScheduleConfig
-from megatron.shared_prefix.training.data import ExampleStream
+from megatron.shared_prefix.training.data import ExampleStream, repetition_warning
 from megatron.shared_prefix.training.distributed import init_single_process
 from megatron.shared_prefix.training.integrity import iteration_to_load
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, open_tensorboard
@@ -177,6 +177,9 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         f" | loss normalization: {config.batch.normalization.value}"
     )
     log(f"[shared-prefix] data: {dataset.summary()}")
+    warning = repetition_warning(dataset, config.batch.global_batch_size)
+    if warning:
+        log(warning)
     try:
         trainer = _Trainer(args, config, device, log)
         return trainer.train(

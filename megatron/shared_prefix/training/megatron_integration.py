@@ -46,7 +46,7 @@ from megatron.shared_prefix.training.arguments import (
 )
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
-from megatron.shared_prefix.training.data import Dataset, ExampleStream
+from megatron.shared_prefix.training.data import Dataset, ExampleStream, repetition_warning
 from megatron.shared_prefix.training.integrity import (
     iteration_dir,
     iteration_to_load,
@@ -470,6 +470,9 @@ def pretrain_with_megatron() -> None:
         f"| {config.batch.micro_batches_per_step} micro-batches per step and rank"
     )
     print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
+    warning = repetition_warning(dataset, config.batch.global_batch_size)
+    if warning:
+        print_rank_0(warning)
     session = MegatronSession(config, dataset)
     _use_prebuilt_dataset_helpers()
     megatron_training.save_checkpoint = with_integrity_records(

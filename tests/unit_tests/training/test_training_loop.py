@@ -235,3 +235,16 @@ def test_jsonl_sft_and_rl_examples_train(train):
         )
         assert len(history) == 2 and all(math.isfinite(m.loss) for m in history)
         assert any(f"examples/{name}" in line for line in lines)
+        assert not any("warning" in line for line in lines)  # 8 examples of 13 and 16 per step
+
+
+def test_global_batch_larger_than_the_dataset_is_warned_once(train):
+    repo = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
+    sft = os.path.join(repo, "examples", "sft.jsonl")
+    _, lines = train(*FAST, "--data-path", sft, "--global-batch-size", "32", "--train-iters", "2")
+    warnings = [line for line in lines if "warning" in line]
+    assert len(warnings) == 1
+    assert "--global-batch-size 32 is larger than the 13 examples" in warnings[0]
+    assert "2.46 times on average" in warnings[0]
