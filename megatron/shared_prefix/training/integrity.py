@@ -226,8 +226,18 @@ def iteration_to_load(
     problem = verify_iteration(directory, iteration, shard=shard)
     if problem is not None:
         source = f"--ckpt-step {step}" if step is not None else TRACKER_NAME
+        root = iteration_dir(directory, iteration)
+        unrecorded = os.path.isdir(root) and not os.path.isfile(os.path.join(root, RECORD_NAME))
         raise CheckpointError(
             f"--load {directory}: the checkpoint of iteration {iteration} ({source}) is not "
-            f"intact: {problem}" + _way_forward(directory, iteration)
+            f"intact: {problem}"
+            + _way_forward(directory, iteration)
+            + (
+                "; a checkpoint saved without a record (by an earlier version, or elsewhere) can "
+                "be recorded once you trust it: python tools/record_checkpoint_integrity.py "
+                f"{directory} --iteration {iteration}"
+                if unrecorded
+                else ""
+            )
         )
     return iteration
