@@ -19,9 +19,10 @@ and its schedule cannot take a count that changes from step to step. So:
   optimizer step, one LR increment and one logged iteration per original global batch, and
   ``consumed samples`` counts original examples (a resumed run starts at that example).
 
-Checkpoints are Megatron's, with this package's integrity record (integrity.py) added after
-every persistent save (:func:`with_integrity_records`), and the checkpoint ``--load`` names is
-verified before ``pretrain`` starts, on every rank for its share of the files.
+Checkpoints are Megatron's, with this package's integrity record (integrity.py) written into
+every persistent save before Megatron's tracker names it (:func:`with_integrity_records`), and the
+checkpoint ``--load`` names is verified before ``pretrain`` starts, on every rank for its share of
+the files.
 
 Step metrics (tokens, saving, tokens/s) are gathered by a :class:`StepMeter` that the data iterator
 closes at each step boundary: it all-reduces the per-rank counts over the data-parallel group, and
@@ -398,30 +399,56 @@ def _use_prebuilt_dataset_helpers() -> None:
     os.environ["MAKEFILES"] = path
 
 
-def with_integrity_records(save_checkpoint: Callable, save_dir: Callable[[], str]) -> Callable:
-    """Megatron's ``save_checkpoint`` followed by this package's integrity record.
+def with_integrity_records(save_checkpoint: Callable, checkpointing) -> Callable:
+    """Megatron's ``save_checkpoint`` with this package's integrity record written before the
+    tracker, so that the tracker never names an iteration without a record.
 
-    After Megatron's save returns on every rank (synchronous saves only; ``--async-save`` is refused
-    with ``--save``), rank 0 records every file of ``iter_XXXXXXX/`` under ``save_dir()`` (read at
-    save time: checkpoint conversion changes ``--save``). Megatron writes its tracker inside its
-    save, so a job killed between the tracker and the record leaves the newest iteration without
-    a record: ``--load`` then reports it as unfinished and names the newest intact iteration.
-    Non-persistent and release saves get no record (``--load`` does not read them).
+    Megatron's synchronous save (``--async-save`` is refused with ``--save``) writes every rank's
+    files, waits at a barrier, and then, on rank 0, calls
+    ``checkpointing.get_checkpoint_tracker_filename`` and writes the tracker. During the save that
+    function is wrapped so that its first call on rank 0 first records every file of the
+    iteration's ``iter_XXXXXXX/``. Should a Megatron version not call it, rank 0 records the files
+    after the save instead (then a kill between tracker and record leaves an iteration that
+    ``--load`` reports as unfinished). Non-persistent and release saves get no record (``--load``
+    does not read them).
+
+    Args:
+        save_checkpoint: ``megatron.training.training.save_checkpoint``.
+        checkpointing: the module whose ``get_checkpoint_tracker_filename`` Megatron's save calls
+            (``megatron.training.checkpointing``).
     """
+    tracker_filename = checkpointing.get_checkpoint_tracker_filename
+
+    def rank_0() -> bool:
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
     @functools.wraps(save_checkpoint)
     def save(iteration, *args, non_persistent_ckpt=False, release=False, **kwargs):
-        save_checkpoint(
-            iteration, *args, non_persistent_ckpt=non_persistent_ckpt, release=release, **kwargs
-        )
         if non_persistent_ckpt or release:
+            save_checkpoint(
+                iteration, *args, non_persistent_ckpt=non_persistent_ckpt, release=release, **kwargs
+            )
             return
-        distributed = torch.distributed.is_initialized()
-        if distributed:
+        recorded = []
+
+        def record_then_tracker(checkpoints_path):
+            if rank_0() and not recorded:
+                write_integrity_record(iteration_dir(checkpoints_path, iteration), iteration)
+                recorded.append(checkpoints_path)
+            return tracker_filename(checkpoints_path)
+
+        checkpointing.get_checkpoint_tracker_filename = record_then_tracker
+        try:
+            save_checkpoint(iteration, *args, non_persistent_ckpt=False, release=False, **kwargs)
+        finally:
+            checkpointing.get_checkpoint_tracker_filename = tracker_filename
+        if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        if not distributed or torch.distributed.get_rank() == 0:
-            write_integrity_record(iteration_dir(save_dir(), iteration), iteration)
-        if distributed:
+        if rank_0() and not recorded:
+            from megatron.training import get_args
+
+            write_integrity_record(iteration_dir(get_args().save, iteration), iteration)
+        if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
     return save
@@ -449,7 +476,8 @@ def pretrain_with_megatron() -> None:
     """Parse sys.argv with Megatron's parser and ours, check flags, data and the checkpoint to
     load, then run ``pretrain`` with integrity records after every save."""
     from megatron.core.enums import ModelType
-    from megatron.training import get_args, pretrain
+    from megatron.training import checkpointing as megatron_checkpointing
+    from megatron.training import pretrain
     from megatron.training import training as megatron_training
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -476,7 +504,7 @@ def pretrain_with_megatron() -> None:
     session = MegatronSession(config, dataset)
     _use_prebuilt_dataset_helpers()
     megatron_training.save_checkpoint = with_integrity_records(
-        megatron_training.save_checkpoint, lambda: get_args().save
+        megatron_training.save_checkpoint, megatron_checkpointing
     )
     pretrain(
         pretrain_cfg_container_from_args(args),

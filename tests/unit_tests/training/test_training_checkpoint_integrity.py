@@ -112,19 +112,42 @@ def test_no_tracker_means_nothing_to_load(tmp_path):
         iteration_to_load(str(tmp_path), step=3)
 
 
-def test_megatron_saves_get_a_record_and_loads_are_verified(megatron_world, tmp_path):
+class FakeMegatronCheckpointing:
+    """What with_integrity_records relies on in megatron.training's save_checkpoint: every file
+    of the iteration is written, then rank 0 asks get_checkpoint_tracker_filename for the tracker
+    and writes it (as megatron-core 0.19.2 does after its barrier)."""
+
+    def __init__(self, directory, calls_tracker_filename=True):
+        self.directory = directory
+        self.calls_tracker_filename = calls_tracker_filename
+        self.record_existed_at_tracker_write = []
+
+    @staticmethod
+    def get_checkpoint_tracker_filename(checkpoints_path):
+        return os.path.join(checkpoints_path, TRACKER_NAME)
+
+    def save_checkpoint(self, iteration, model, optimizer, scheduler, flops, **kwargs):
+        if kwargs.get("non_persistent_ckpt"):
+            return
+        root = megatron_like_save(self.directory, iteration)
+        os.remove(os.path.join(self.directory, TRACKER_NAME))
+        tracker = os.path.join(self.directory, TRACKER_NAME)
+        if self.calls_tracker_filename:
+            tracker = self.get_checkpoint_tracker_filename(self.directory)
+        self.record_existed_at_tracker_write.append(os.path.isfile(os.path.join(root, RECORD_NAME)))
+        with open(tracker, "w") as handle:
+            handle.write(str(iteration))
+
+
+def test_megatron_saves_record_before_the_tracker_and_loads_are_verified(megatron_world, tmp_path):
     directory = str(tmp_path / "ckpt")
-    calls = []
-
-    def megatron_save(iteration, model, optimizer, scheduler, flops, **kwargs):
-        calls.append((iteration, kwargs.get("non_persistent_ckpt")))
-        if not kwargs.get("non_persistent_ckpt"):
-            megatron_like_save(directory, iteration)
-
-    save = with_integrity_records(megatron_save, lambda: directory)
+    megatron = FakeMegatronCheckpointing(directory)
+    original = megatron.get_checkpoint_tracker_filename
+    save = with_integrity_records(megatron.save_checkpoint, megatron)
     save(4, None, None, None, 0.0, checkpointing_context={})
     save(8, None, None, None, 0.0, non_persistent_ckpt=True)
-    assert calls == [(4, False), (8, True)]
+    assert megatron.record_existed_at_tracker_write == [True]
+    assert megatron.get_checkpoint_tracker_filename is original  # restored after the save
     assert intact_iterations(directory) == [4]
 
     args = argparse.Namespace(load=directory, ckpt_step=None)
@@ -133,6 +156,20 @@ def test_megatron_saves_get_a_record_and_loads_are_verified(megatron_world, tmp_
     with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
         verify_load_directory(args)
     assert verify_load_directory(argparse.Namespace(load=None, ckpt_step=None)) is None
+
+
+def test_megatron_save_without_the_tracker_call_is_recorded_after_it(megatron_world, tmp_path):
+    from megatron.training.global_vars import set_args
+
+    directory = str(tmp_path / "ckpt")
+    megatron = FakeMegatronCheckpointing(directory, calls_tracker_filename=False)
+    set_args(argparse.Namespace(save=directory))
+    try:
+        with_integrity_records(megatron.save_checkpoint, megatron)(3, None, None, None, 0.0)
+    finally:
+        set_args(None)
+    assert megatron.record_existed_at_tracker_write == [False]
+    assert intact_iterations(directory) == [3]
 
 
 @pytest.fixture
