@@ -12,7 +12,7 @@ same model, data and loss run through a single-process loop (``--shared-prefix-t
 
 import sys
 
-from megatron.shared_prefix.training.arguments import TRAINERS
+from megatron.shared_prefix.training.arguments import TRAINERS, hide_irrelevant_warnings
 from megatron.shared_prefix.training.config import ConfigError
 from megatron.shared_prefix.training.data import DataError
 
@@ -38,6 +38,8 @@ def _trainer(argv: list[str]) -> str:
 def main() -> None:
     """Train with the trainer that fits; a bad flag or data record exits 2 with its message."""
     argv = sys.argv[1:]
+    if "--shared-prefix-verbose" not in argv:
+        hide_irrelevant_warnings()
     try:
         if _trainer(argv) == "megatron":
             from megatron.shared_prefix.training.megatron_integration import pretrain_with_megatron

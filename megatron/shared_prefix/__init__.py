@@ -1,6 +1,6 @@
 """Shared-prefix training for Megatron hybrid models.
 
-Public API (DESIGN.md §3). Names are resolved lazily so that the planner can be used without
+Public API (docs/api.md). Names are resolved lazily so that the planner can be used without
 importing torch or megatron-core.
 """
 

@@ -18,6 +18,7 @@ command line wins:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import os
@@ -33,6 +34,10 @@ __all__ = [
     "extra_args_provider",
     "uses_tiny_model",
     "parse_arguments",
+    "megatron_argument_dump",
+    "parse_without_validation",
+    "IRRELEVANT_WARNINGS",
+    "hide_irrelevant_warnings",
 ]
 
 # Every layer type a forest supports, once each: Mamba (M), attention (*), MLP (-) and MoE (E).
@@ -145,7 +150,7 @@ def add_shared_prefix_args(
         type=str,
         default=os.path.join("runs", "pretrain_hybrid", "metrics.jsonl"),
         help="Write one JSON object of step metrics per iteration here ('' disables). Truncated at "
-        "the start of a fresh run, appended to when resuming with --load.",
+        "the start of a fresh run, and to the resumed iteration when resuming with --load.",
     )
     group.add_argument(
         "--shared-prefix-trainer",
@@ -154,6 +159,12 @@ def add_shared_prefix_args(
         help="megatron: megatron.training.pretrain (needs CUDA); loop: the single-process loop "
         "of megatron/shared_prefix/training/loop.py; auto: megatron when CUDA is available, "
         "else loop.",
+    )
+    group.add_argument(
+        "--shared-prefix-verbose",
+        action="store_true",
+        help="Print Megatron's dump of every argument and the library warnings that do not apply "
+        "to this script (CUDA extensions not installed, --split, ...), which are hidden otherwise.",
     )
     parser.set_defaults(**SCRIPT_DEFAULTS, **(preset or {}))
     _escape_bare_percent_signs(parser)
@@ -218,17 +229,75 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
 
     Used by the single-process loop (megatron.training parses sys.argv itself). Megatron's
     ``validate_args`` derives the remaining fields (``num_layers`` from the pattern, dtypes, weight
-    decay range, ...).
+    decay range, ...); flag values it would reject with a bare assert are reported first, naming
+    the flag (``check_flags_before_megatron``).
+
+    Raises:
+        ConfigError: naming the flag.
     """
     from megatron.training.arguments import validate_args
 
     from megatron.shared_prefix.cpu import enable_cpu
 
     enable_cpu()
-    argv = list(argv)
-    args = _megatron_parser(_preset(argv)).parse_args(argv)
+    args = parse_without_validation(argv)
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
-    validate_args(args)
+    with megatron_argument_dump(args.shared_prefix_verbose):
+        validate_args(args)
     apply_pipeline_defaults(args)
     return args
+
+
+def parse_without_validation(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed by Megatron's parser and ours, checked by ``check_flags_before_megatron``
+    but not yet by Megatron's ``validate_args``.
+
+    Raises:
+        ConfigError: naming the flag.
+    """
+    from megatron.shared_prefix.training.config import check_flags_before_megatron
+
+    argv = list(argv)
+    args = _megatron_parser(_preset(argv)).parse_args(argv)
+    check_flags_before_megatron(args)
+    return args
+
+
+@contextlib.contextmanager
+def megatron_argument_dump(verbose: bool):
+    """Within this context, Megatron's ``validate_args`` prints its argument dump (several hundred
+    lines) only when ``verbose`` (``--shared-prefix-verbose``)."""
+    from megatron.training import arguments
+
+    printer = arguments._print_args  # pylint: disable=protected-access
+    if not verbose:
+        arguments._print_args = lambda title, args: None  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        arguments._print_args = printer  # pylint: disable=protected-access
+
+
+# Start-up warnings of megatron-core and torch that say nothing about a pretrain_hybrid.py run:
+# optional CUDA extensions this script does not use on CPU, and Megatron's indexed-dataset --split
+# (this script reads JSONL records, which have no splits). Regular expressions on the message.
+IRRELEVANT_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"absl\.logging is not installed",
+    r"Only transformer-engine>=\S+ supports MoE experts",
+    r"Could not determine rank from torch\.distributed",
+    r"Please specify --split when using --data-path",
+)
+
+
+def hide_irrelevant_warnings() -> None:
+    """Filter :data:`IRRELEVANT_WARNINGS` and torch's "No CUDA runtime is found" log line, for the
+    rest of the process (``--shared-prefix-verbose`` leaves them on)."""
+    import logging
+    import warnings
+
+    for pattern in IRRELEVANT_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

@@ -1,11 +1,14 @@
 """Checkpoints of the single-process loop (megatron.training saves and loads its own).
 
 Layout follows Megatron's: ``<dir>/iter_0000010/model_optim_rng.pt`` and
-``<dir>/latest_checkpointed_iteration.txt``. A checkpoint holds the model, the optimizer, the LR
-scheduler, the torch RNG state, the training position (iteration and consumed examples) and the
-model signature (the flags that shape the network), which must match on load. Saving refuses
+``<dir>/latest_checkpointed_iteration.txt``, plus the integrity record of integrity.py (a
+checksum of the file, written after it and before the tracker). A checkpoint holds the model, the
+optimizer, the LR scheduler, the torch RNG state, the training position (iteration and consumed
+examples) and the model signature (the flags that shape the network), which must match on load.
+Saving refuses
 non-finite state: a checkpoint is never written after a non-finite loss or gradient norm, or with
-non-finite parameters.
+non-finite parameters. Loading reads only an iteration whose record matches its file
+(:func:`integrity.iteration_to_load` checks it before any state changes).
 """
 
 from __future__ import annotations
@@ -13,21 +16,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Optional
 
 import torch
 
 from megatron.shared_prefix.training.config import ConfigError
+from megatron.shared_prefix.training.integrity import (
+    TRACKER_NAME,
+    CheckpointError,
+    iteration_dir,
+    write_atomically,
+    write_integrity_record,
+)
 
 __all__ = [
     "TrainingPosition",
     "save_checkpoint",
     "load_checkpoint",
-    "latest_iteration",
     "NonFiniteStateError",
 ]
 
-_TRACKER = "latest_checkpointed_iteration.txt"
 _FILE = "model_optim_rng.pt"
 
 
@@ -43,22 +50,6 @@ class TrainingPosition:
     consumed_samples: int
 
 
-def _iteration_dir(directory: str, iteration: int) -> str:
-    return os.path.join(directory, f"iter_{iteration:07d}")
-
-
-def latest_iteration(directory: str) -> Optional[int]:
-    """The iteration recorded in ``directory``'s tracker file, or None when there is none."""
-    tracker = os.path.join(directory, _TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker, encoding="utf-8") as handle:
-        text = handle.read().strip()
-    if not text.isdigit():
-        raise ConfigError(f"--load {directory}: {_TRACKER} holds {text!r}, not an iteration number")
-    return int(text)
-
-
 def save_checkpoint(
     directory: str,
     position: TrainingPosition,
@@ -72,8 +63,10 @@ def save_checkpoint(
 ) -> str:
     """Write a checkpoint of the state after ``position.iteration`` steps; return its file.
 
-    ``loss`` and ``grad_norm`` are the last step's. The file is written under a temporary name and
-    renamed, and the tracker is updated last, so an interrupted save never leaves a readable half.
+    ``loss`` and ``grad_norm`` are the last step's. The file is written under a temporary name,
+    synced and renamed; then the integrity record; the tracker is updated last. A save interrupted
+    at any point leaves the tracker at the previous checkpoint, and the unfinished iteration
+    without a record.
 
     Raises:
         NonFiniteStateError: when the loss, the gradient norm or a parameter is not finite.
@@ -93,7 +86,7 @@ def save_checkpoint(
             f"refusing to save a checkpoint at iteration {position.iteration} to {directory}: "
             + "; ".join(problems)
         )
-    target = _iteration_dir(directory, position.iteration)
+    target = iteration_dir(directory, position.iteration)
     os.makedirs(target, exist_ok=True)
     path = os.path.join(target, _FILE)
     state = {
@@ -105,36 +98,42 @@ def save_checkpoint(
         "rng": torch.get_rng_state(),
         "signature": signature,
     }
-    torch.save(state, path + ".tmp")
+    with open(path + ".tmp", "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(path + ".tmp", path)
-    with open(os.path.join(directory, _TRACKER) + ".tmp", "w", encoding="utf-8") as handle:
-        handle.write(str(position.iteration))
-    os.replace(os.path.join(directory, _TRACKER) + ".tmp", os.path.join(directory, _TRACKER))
+    write_integrity_record(target, position.iteration)
+    write_atomically(os.path.join(directory, TRACKER_NAME), str(position.iteration))
     return path
 
 
 def load_checkpoint(
     directory: str,
+    iteration: int,
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
     signature: dict,
-) -> Optional[TrainingPosition]:
-    """Restore the latest checkpoint of ``directory`` into the given objects.
+) -> TrainingPosition:
+    """Restore the checkpoint of ``iteration`` (verified by integrity.iteration_to_load).
 
     Returns:
-        The restored position, or None when ``directory`` holds no checkpoint (training starts
-        fresh, as Megatron does).
+        The restored position.
 
     Raises:
+        CheckpointError: when the file cannot be read as a checkpoint of this loop.
         ConfigError: when the checkpoint was made for a different network (names the flags).
     """
-    iteration = latest_iteration(directory)
-    if iteration is None:
-        return None
-    path = os.path.join(_iteration_dir(directory, iteration), _FILE)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    path = os.path.join(iteration_dir(directory, iteration), _FILE)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointError(
+            f"--load {directory}: {path} is not a checkpoint of this trainer "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     differing = sorted(
         key
         for key in set(signature) | set(state["signature"])

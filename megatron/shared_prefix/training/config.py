@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Optional
 
 from megatron.shared_prefix.training.data import Dataset, builtin_dataset, load_jsonl_dataset
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointConfig",
     "RunConfig",
     "LOOP_UNSUPPORTED",
+    "check_flags_before_megatron",
 ]
 
 
@@ -196,27 +198,44 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoints of the single-process loop (megatron.training uses its own).
+    """Where checkpoints go and come from (both trainers; megatron.training writes its own files).
 
     Attributes:
         save: directory to save to (``--save``), or None.
-        load: directory to resume from (``--load``), or None.
+        load: directory to resume from (``--load``), or None. It must exist unless it is the
+            ``--save`` directory (the auto-resume pattern: the first run starts from scratch).
         save_interval: save every this many iterations (``--save-interval``, which Megatron requires
             with ``--save``), and after the last iteration.
         check_finite: stop at a non-finite loss or gradient norm
             (``--[no-]check-for-nan-in-loss-and-grad``); saving always refuses non-finite state.
+        ckpt_step: iteration to load instead of the tracker's (``--ckpt-step``), or None.
     """
 
     save: Optional[str]
     load: Optional[str]
     save_interval: Optional[int]
     check_finite: bool
+    ckpt_step: Optional[int] = None
 
     def __post_init__(self):
         _require(
             self.save_interval is None or self.save_interval >= 1,
             f"--save-interval must be >= 1, got {self.save_interval}",
         )
+        _require(
+            self.ckpt_step is None or self.load is not None,
+            f"--ckpt-step {self.ckpt_step} needs --load (the directory to load it from)",
+        )
+        if self.load is not None and not os.path.isdir(self.load):
+            _require(
+                not os.path.exists(self.load),
+                f"--load {self.load}: not a directory (give the checkpoint directory)",
+            )
+            _require(
+                self.save is not None and os.path.abspath(self.save) == os.path.abspath(self.load),
+                f"--load {self.load}: no such directory (to start from scratch, leave --load out; "
+                "to resume automatically, give the same directory as --save)",
+            )
 
 
 # Megatron flags whose non-default values the single-process loop cannot honour -> the value needed.
@@ -272,6 +291,14 @@ class RunConfig:
             else args.seq_length
         )
         _require(capacity is not None, "--shared-prefix-capacity (or --seq-length) is required")
+        _require(
+            args.position_embedding_type != "learned_absolute"
+            or capacity <= args.max_position_embeddings,
+            f"row capacity {capacity} (--shared-prefix-capacity, default --seq-length) exceeds "
+            f"--max-position-embeddings {args.max_position_embeddings}: with "
+            "--position-embedding-type learned_absolute no position may reach it; lower the "
+            "capacity or raise --max-position-embeddings",
+        )
         return cls(
             trainer=trainer,
             data=DataConfig(
@@ -324,6 +351,7 @@ class RunConfig:
                 load=args.load,
                 save_interval=args.save_interval,
                 check_finite=args.check_for_nan_in_loss_and_grad,
+                ckpt_step=args.ckpt_step,
             ),
         )
 
@@ -336,6 +364,36 @@ def row_pad_multiple(args: argparse.Namespace, capacity: int) -> int:
     if args.sequence_parallel and args.tensor_model_parallel_size > 1:
         return args.tensor_model_parallel_size
     return 1
+
+
+def check_flags_before_megatron(args: argparse.Namespace) -> None:
+    """Flag values that Megatron's ``validate_args`` rejects with a bare assert (no message).
+
+    Run on the parsed namespace before ``validate_args``, so the error names the flag.
+
+    Raises:
+        ConfigError: naming the flag.
+    """
+    _require(
+        args.micro_batch_size is not None,
+        "--micro-batch-size is required (1 fits every packed row; see docs/training.md)",
+    )
+    for name in ("global_batch_size", "micro_batch_size", "train_iters"):
+        value = getattr(args, name)
+        _require(value is None or value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+    _require(
+        args.save_interval is None or args.save_interval >= 1,
+        f"--save-interval must be >= 1, got {args.save_interval}",
+    )
+    _require(
+        args.save is None or args.save_interval is not None,
+        f"--save {args.save} needs --save-interval N (save every N iterations; the loop also "
+        "saves after the last one)",
+    )
+    _require(
+        args.ckpt_step is None or args.ckpt_step >= 0,
+        f"--ckpt-step must be >= 0, got {args.ckpt_step}",
+    )
 
 
 def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
@@ -397,4 +455,9 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
             args.save is None or args.check_for_nan_in_loss_and_grad,
             "--no-check-for-nan-in-loss-and-grad with --save would let megatron.training save "
             "non-finite weights; keep the check on",
+        )
+        _require(
+            args.save is None or not args.async_save,
+            "--async-save with --save: the integrity record of a checkpoint is written after its "
+            "files, which an asynchronous save finishes later; save synchronously",
         )

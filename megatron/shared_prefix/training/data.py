@@ -33,6 +33,7 @@ __all__ = [
     "load_jsonl_dataset",
     "builtin_dataset",
     "BUILTIN_MIN_VOCAB_SIZE",
+    "repetition_warning",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -84,7 +85,11 @@ def _check_keys(
 ):
     unknown = sorted(set(obj) - set(allowed) - set(_IGNORED_KEYS))
     if unknown:
-        _fail(source, f"{where} has unknown key(s) {unknown} (allowed: {sorted(allowed)})")
+        _fail(
+            source,
+            f"{where} has unknown key(s) {unknown} (allowed: {sorted(allowed)}, and "
+            f"{' and '.join(_IGNORED_KEYS)}, which are ignored)",
+        )
     missing = [key for key in required if key not in obj]
     if missing:
         _fail(source, f"{where} is missing {missing}")
@@ -94,32 +99,74 @@ def _token_ids(value: Any, field: str, source: str, vocab_size: int) -> np.ndarr
     """A non-empty list of ints in ``[0, vocab_size)`` as an int64 array."""
     if not isinstance(value, list) or not value:
         _fail(source, f"{field} must be a non-empty list of token ids")
-    arr = np.asarray(value)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        _fail(source, f"{field} must be a flat list of integers")
+    arr = _array(value)
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu":
+        _first_bad_token_id(value, field, source, vocab_size)
     low, high = int(arr.min()), int(arr.max())
     if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        _fail(
-            source,
-            f"{field} has token id {bad} outside [0, {vocab_size}) (--vocab-size {vocab_size})",
-        )
+        _out_of_range(low if low < 0 else high, field, source, vocab_size)
     return arr.astype(np.int64)
 
 
+def _array(value: list):
+    """``np.asarray(value)``, or None where numpy cannot make an array of it (ragged nesting)."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        return None
+
+
+def _out_of_range(token_id, field: str, source: str, vocab_size: int):
+    _fail(
+        source,
+        f"{field} has token id {token_id} outside [0, {vocab_size}) (--vocab-size {vocab_size})",
+    )
+
+
+def _first_bad_token_id(value: list, field: str, source: str, vocab_size: int):
+    """Report the first element of ``value`` that is not a token id: an integer-valued number out
+    of range is out of range (``1e32``), anything else is not an integer."""
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            _fail(
+                source, f"{field}[{i}] is {_shown(item)}: {field} must be a flat list of integers"
+            )
+        integral = isinstance(item, int) or (math.isfinite(item) and item == int(item))
+        if integral and not 0 <= item < vocab_size:
+            _out_of_range(item, field, source, vocab_size)
+        if not isinstance(item, int):
+            _fail(source, f"{field}[{i}] is {item!r}: {field} must be a flat list of integers")
+    _fail(source, f"{field} must be a flat list of integers")
+
+
+def _shown(item: Any) -> str:
+    text = json.dumps(item)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _number(value: Any, field: str, source: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(source, f"{field} must be a finite number, got {value!r}")
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        with np.errstate(over="ignore"):
+            finite = finite and math.isfinite(value) and math.isfinite(np.float32(value))
+    except OverflowError:
+        finite = False
+    if not finite:
+        _fail(source, f"{field} must be a finite number, got {_shown(value)}")
     return float(value)
 
 
 def _numbers(value: Any, field: str, length: int, source: str) -> np.ndarray:
     if not isinstance(value, list) or len(value) != length:
         _fail(source, f"{field} must be a list of {length} numbers (one per token)")
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iuf" or not np.all(np.isfinite(arr)):
+    arr = _array(value)
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iuf":
         _fail(source, f"{field} must hold finite numbers")
-    return arr.astype(np.float32)
+    with np.errstate(over="ignore"):
+        values = arr.astype(np.float32)
+    if not np.all(np.isfinite(values)):
+        _fail(source, f"{field} must hold finite numbers")
+    return values
 
 
 def _example(tokens: np.ndarray, mask: np.ndarray, weights: np.ndarray, source: str) -> Example:
@@ -136,8 +183,13 @@ def _sft_tokens(obj: dict, source: str, vocab_size: int) -> list[Example]:
         raw = obj["loss_mask"]
         if not isinstance(raw, list) or len(raw) != len(tokens):
             _fail(source, f"loss_mask must be a list of {len(tokens)} values (one per input id)")
-        arr = np.asarray(raw)
-        if arr.dtype.kind not in "biu" or np.any((arr != 0) & (arr != 1)):
+        arr = _array(raw)
+        if (
+            arr is None
+            or arr.ndim != 1
+            or arr.dtype.kind not in "biu"
+            or np.any((arr != 0) & (arr != 1))
+        ):
             _fail(source, "loss_mask must hold 0/1 or true/false values")
         mask = arr.astype(bool)
         if mask[0]:
@@ -320,17 +372,34 @@ def _build(units: Iterable[tuple[str, Any]], name, vocab_size, capacity, drop_ov
 
 
 def _jsonl_records(path: str) -> Iterable[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    """(``path:line``, parsed JSON) of every non-blank line; lines must be UTF-8 (a UTF-8 byte order
+    mark at the start of the file is allowed)."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            source = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{source}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                    f"{exc.start + 1}); JSONL files must be UTF-8-encoded"
+                    + (
+                        " (this one looks like UTF-16)"
+                        if raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+                        else ""
+                    )
+                ) from None
+            line = line.rstrip("\r\n")
             if not line.strip():
                 continue
-            source = f"{path}:{number}"
             try:
                 yield source, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(
                     f"{source}: not valid JSON ({exc.msg} at column {exc.colno})"
                 ) from None
+            except (ValueError, RecursionError) as exc:
+                raise DataError(f"{source}: not usable JSON ({exc})") from None
 
 
 def load_jsonl_dataset(
@@ -345,6 +414,8 @@ def load_jsonl_dataset(
             (the message names ``path:line``).
     """
     for path in paths:
+        if os.path.isdir(path):
+            raise DataError(f"--data-path {path}: is a directory; list the JSONL files in it")
         if not os.path.isfile(path):
             try:
                 float(path)
@@ -499,3 +570,22 @@ class ExampleStream:
         examples = self.dataset.examples
         start = consumed_examples
         return [examples[(start + i) % len(examples)] for i in range(self.global_batch_size)]
+
+
+def repetition_warning(dataset: Dataset, global_batch_size: int) -> str | None:
+    """The warning for a global batch larger than the dataset, or None.
+
+    The stream wraps around inside such a batch, so a step holds some examples twice or more:
+    they are trained on with the multiplicity they have in the batch, and the repeated copies
+    are computed once by the planner, which inflates the logged saving.
+    """
+    size = len(dataset.examples)
+    if global_batch_size <= size:
+        return None
+    return (
+        f"[shared-prefix] warning: --global-batch-size {global_batch_size} is larger than the "
+        f"{size} examples of {dataset.name}: the stream wraps around inside every step, so each "
+        f"step holds examples {global_batch_size / size:.2f} times on average (weighted by that "
+        "count in the loss), and the repeated copies are computed once, which inflates the "
+        "logged saving (docs/data.md, Order)"
+    )

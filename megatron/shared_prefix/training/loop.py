@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,8 +33,9 @@ from megatron.shared_prefix.training.checkpointing import (
     save_checkpoint,
 )
 from megatron.shared_prefix.training.config import RunConfig, ScheduleConfig
-from megatron.shared_prefix.training.data import ExampleStream
+from megatron.shared_prefix.training.data import ExampleStream, repetition_warning
 from megatron.shared_prefix.training.distributed import init_single_process
+from megatron.shared_prefix.training.integrity import iteration_to_load
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, open_tensorboard
 from megatron.shared_prefix.training.model import (
     build_model,
@@ -153,10 +154,11 @@ def train_step(
 
 
 def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMetrics]:
-    """Parse ``argv``, train with the single-process loop, return the metrics of every step run.
+    """Parse ``argv``, train with the loop (one process or a torchrun world), return the metrics
+    of every step run.
 
-    Everything that can be rejected (flags, data records, checkpoint signature) is checked before
-    the first optimizer step.
+    Everything that can be rejected (flags, data records, the checkpoint's integrity and
+    signature) is checked before the first optimizer step and before any file is written.
     """
     args = parse_arguments(argv)
     layout = ParallelLayout.from_args(args)
@@ -166,6 +168,10 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
     if args.rank != args.world_size - 1:
         log = _quiet
     dataset = config.data.load()
+    checkpoint = config.checkpoint
+    resume_iteration = (
+        iteration_to_load(checkpoint.load, checkpoint.ckpt_step) if checkpoint.load else None
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     where = device.type
@@ -191,9 +197,14 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         f" | loss normalization: {config.batch.normalization.value}"
     )
     log(f"[shared-prefix] data: {dataset.summary()}")
+    warning = repetition_warning(dataset, config.batch.global_batch_size)
+    if warning:
+        log(warning)
     try:
         trainer = _Trainer(args, config, device, log)
-        return trainer.train(ExampleStream(dataset, config.batch.global_batch_size))
+        return trainer.train(
+            ExampleStream(dataset, config.batch.global_batch_size), resume_iteration
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -231,33 +242,38 @@ class _Trainer:
             "tokens"
         )
 
-    def _resume(self) -> TrainingPosition:
-        """The position to start from: ``--load``'s latest checkpoint, or the beginning."""
+    def _resume(self, iteration: Optional[int]) -> TrainingPosition:
+        """The position to start from: the verified checkpoint of ``iteration``, or the beginning
+        (``iteration`` None: no ``--load``, or nothing saved in it yet)."""
         directory = self.config.checkpoint.load
-        fresh = TrainingPosition(iteration=0, consumed_samples=0)
-        if not directory:
-            return fresh
+        if iteration is None:
+            if directory:
+                self.log(
+                    f"[shared-prefix] --load {directory}: no checkpoint yet, starting from scratch"
+                )
+            return TrainingPosition(iteration=0, consumed_samples=0)
         loaded = load_checkpoint(
             directory,
+            iteration,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             signature=self.signature,
         )
-        if loaded is None:
-            self.log(f"[shared-prefix] --load {directory}: no checkpoint, starting from scratch")
-            return fresh
         self.log(f"[shared-prefix] resumed from {directory} at iteration {loaded.iteration}")
         return loaded
 
-    def train(self, stream: ExampleStream) -> list[StepMetrics]:
-        """Run to ``--train-iters``; save at ``--save-interval`` and after the last step."""
-        position = self._resume()
+    def train(
+        self, stream: ExampleStream, resume_iteration: Optional[int] = None
+    ) -> list[StepMetrics]:
+        """Resume from ``resume_iteration`` (verified) if given, run to ``--train-iters``; save at
+        ``--save-interval`` and after the last step."""
+        position = self._resume(resume_iteration)
         logging = self.config.logging
         writer = MetricsWriter(
             log_interval=logging.log_interval,
             jsonl_path=logging.metrics_jsonl if self.reporting else None,
-            append=position.iteration > 0,
+            resume_iteration=position.iteration,
             tensorboard=(
                 open_tensorboard(logging.tensorboard_dir, self.log) if self.reporting else None
             ),

@@ -19,6 +19,11 @@ and its schedule cannot take a count that changes from step to step. So:
   optimizer step, one LR increment and one logged iteration per original global batch, and
   ``consumed samples`` counts original examples (a resumed run starts at that example).
 
+Checkpoints are Megatron's, with this package's integrity record (integrity.py) written into
+every persistent save before Megatron's tracker names it (:func:`with_integrity_records`), and the
+checkpoint ``--load`` names is verified before ``pretrain`` starts, on every rank for its share of
+the files.
+
 Step metrics (tokens, saving, tokens/s) are gathered by a :class:`StepMeter` that the data iterator
 closes at each step boundary: it all-reduces the per-rank counts over the data-parallel group, and
 the last rank writes the log line, JSONL record and TensorBoard scalars next to Megatron's own line.
@@ -28,16 +33,27 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from megatron.shared_prefix.training.arguments import apply_pipeline_defaults, extra_args_provider
+from megatron.shared_prefix.training.arguments import (
+    apply_pipeline_defaults,
+    extra_args_provider,
+    megatron_argument_dump,
+    parse_without_validation,
+)
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
-from megatron.shared_prefix.training.data import Dataset, ExampleStream
+from megatron.shared_prefix.training.data import Dataset, ExampleStream, repetition_warning
+from megatron.shared_prefix.training.integrity import (
+    iteration_dir,
+    iteration_to_load,
+    write_integrity_record,
+)
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics
 from megatron.shared_prefix.training.model import (
     build_model,
@@ -45,7 +61,15 @@ from megatron.shared_prefix.training.model import (
     weighted_loss_sum,
 )
 
-__all__ = ["pad_rows", "RowIterator", "StepMeter", "MegatronSession", "pretrain_with_megatron"]
+__all__ = [
+    "pad_rows",
+    "RowIterator",
+    "StepMeter",
+    "MegatronSession",
+    "with_integrity_records",
+    "verify_load_directory",
+    "pretrain_with_megatron",
+]
 
 
 def pad_rows(step: StepBatch, num_rows: int, batch: BatchConfig) -> StepBatch:
@@ -297,7 +321,7 @@ class MegatronSession:
             writer = MetricsWriter(
                 log_interval=self.config.logging.log_interval,
                 jsonl_path=self.config.logging.metrics_jsonl,
-                append=args.iteration > 0,
+                resume_iteration=args.iteration,
                 tensorboard=get_tensorboard_writer(),
             )
         self.meter = StepMeter(
@@ -374,7 +398,6 @@ def _use_prebuilt_dataset_helpers() -> None:
     is left to build as usual.
     """
     import importlib.util
-    import os
     import tempfile
 
     from megatron.core import datasets
@@ -389,20 +412,99 @@ def _use_prebuilt_dataset_helpers() -> None:
     os.environ["MAKEFILES"] = path
 
 
+def with_integrity_records(save_checkpoint: Callable, checkpointing) -> Callable:
+    """Megatron's ``save_checkpoint`` with this package's integrity record written before the
+    tracker, so that the tracker never names an iteration without a record.
+
+    Megatron's synchronous save (``--async-save`` is refused with ``--save``) writes every rank's
+    files, waits at a barrier, and then, on rank 0, calls
+    ``checkpointing.get_checkpoint_tracker_filename`` and writes the tracker. During the save that
+    function is wrapped so that its first call on rank 0 first records every file of the
+    iteration's ``iter_XXXXXXX/``. Should a Megatron version not call it, rank 0 records the files
+    after the save instead (then a kill between tracker and record leaves an iteration that
+    ``--load`` reports as unfinished). Non-persistent and release saves get no record (``--load``
+    does not read them).
+
+    Args:
+        save_checkpoint: ``megatron.training.training.save_checkpoint``.
+        checkpointing: the module whose ``get_checkpoint_tracker_filename`` Megatron's save calls
+            (``megatron.training.checkpointing``).
+    """
+    tracker_filename = checkpointing.get_checkpoint_tracker_filename
+
+    def rank_0() -> bool:
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+    @functools.wraps(save_checkpoint)
+    def save(iteration, *args, non_persistent_ckpt=False, release=False, **kwargs):
+        if non_persistent_ckpt or release:
+            save_checkpoint(
+                iteration, *args, non_persistent_ckpt=non_persistent_ckpt, release=release, **kwargs
+            )
+            return
+        recorded = []
+
+        def record_then_tracker(checkpoints_path):
+            if rank_0() and not recorded:
+                write_integrity_record(iteration_dir(checkpoints_path, iteration), iteration)
+                recorded.append(checkpoints_path)
+            return tracker_filename(checkpoints_path)
+
+        checkpointing.get_checkpoint_tracker_filename = record_then_tracker
+        try:
+            save_checkpoint(iteration, *args, non_persistent_ckpt=False, release=False, **kwargs)
+        finally:
+            checkpointing.get_checkpoint_tracker_filename = tracker_filename
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if rank_0() and not recorded:
+            from megatron.training import get_args
+
+            write_integrity_record(iteration_dir(get_args().save, iteration), iteration)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    return save
+
+
+def verify_load_directory(args) -> Optional[int]:
+    """Verify the checkpoint that Megatron will load from ``--load`` (tracker or ``--ckpt-step``).
+
+    Called before ``pretrain``: each rank (``RANK`` of ``WORLD_SIZE``) hashes its share of the
+    files and checks the size of all of them.
+
+    Returns:
+        The iteration that will be loaded, or None (no ``--load``, or nothing saved there yet).
+
+    Raises:
+        CheckpointError: naming the bad file, the newest intact iteration and how to load it.
+    """
+    if not args.load:
+        return None
+    shard = (int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1")))
+    return iteration_to_load(args.load, args.ckpt_step, shard=shard)
+
+
 def pretrain_with_megatron() -> None:
-    """Parse sys.argv with Megatron's parser and ours, check flags and data, run ``pretrain``."""
+    """Parse sys.argv with Megatron's parser and ours, check flags, data and the checkpoint to
+    load, then run ``pretrain`` with integrity records after every save."""
     from megatron.core.enums import ModelType
+    from megatron.training import checkpointing as megatron_checkpointing
     from megatron.training import pretrain
+    from megatron.training import training as megatron_training
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.utils import print_rank_0
 
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider(sys.argv[1:]))
+    verbose = parse_without_validation(sys.argv[1:]).shared_prefix_verbose
+    with megatron_argument_dump(verbose):
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider(sys.argv[1:]))
     apply_pipeline_defaults(args)
     config = RunConfig.from_args(
         args, trainer="megatron", data_parallel_size=args.data_parallel_size
     )
     dataset = config.data.load()
+    verify_load_directory(args)
     print_rank_0(
         f"[shared-prefix] trainer: megatron.training.pretrain on {args.world_size} GPU(s) "
         f"| packing: {'on' if config.batch.packing else 'off (dense)'} "
@@ -410,8 +512,14 @@ def pretrain_with_megatron() -> None:
         f"| {config.batch.micro_batches_per_step} micro-batches per step and rank"
     )
     print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
+    warning = repetition_warning(dataset, config.batch.global_batch_size)
+    if warning:
+        print_rank_0(warning)
     session = MegatronSession(config, dataset)
     _use_prebuilt_dataset_helpers()
+    megatron_training.save_checkpoint = with_integrity_records(
+        megatron_training.save_checkpoint, megatron_checkpointing
+    )
     pretrain(
         pretrain_cfg_container_from_args(args),
         session.distributed_datasets_provider(),

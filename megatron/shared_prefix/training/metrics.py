@@ -136,7 +136,9 @@ class MetricsWriter:
     Args:
         log_interval: steps between log lines.
         jsonl_path: JSONL file (parent directories are created), or None.
-        append: keep an existing JSONL file's lines (resume) instead of truncating it (fresh run).
+        resume_iteration: iterations already done (0 for a fresh run). An existing JSONL file
+            keeps its records up to this iteration and loses every later one (a resumed run
+            writes them again), so no iteration is recorded twice; a fresh run truncates it.
         tensorboard: a SummaryWriter-like object (``add_scalar``), or None.
         log: where log lines go.
     """
@@ -146,7 +148,7 @@ class MetricsWriter:
         *,
         log_interval: int,
         jsonl_path: Optional[str],
-        append: bool,
+        resume_iteration: int,
         tensorboard=None,
         log: Callable[[str], None] = print,
     ):
@@ -156,9 +158,7 @@ class MetricsWriter:
         self.jsonl_path = jsonl_path
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            if not append:
-                with open(jsonl_path, "w", encoding="utf-8"):
-                    pass
+            _truncate_jsonl(jsonl_path, resume_iteration)
 
     def write(self, m: StepMetrics) -> None:
         """Record one step."""
@@ -177,6 +177,26 @@ class MetricsWriter:
         """Flush TensorBoard (the JSONL file is closed after every record)."""
         if self.tensorboard is not None:
             self.tensorboard.flush()
+
+
+def _truncate_jsonl(path: str, iteration: int) -> None:
+    """Keep the records of ``path`` up to ``iteration``; later records and lines that are not
+    records (a line cut short when a run was killed) are removed. The file is rewritten through a
+    temporary file and a rename."""
+    kept = []
+    if iteration > 0 and os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as jsonl:
+            for line in jsonl:
+                try:
+                    record = json.loads(line)
+                    done = isinstance(record, dict) and int(record["iteration"]) <= iteration
+                except (ValueError, KeyError, TypeError):
+                    done = False
+                if done:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w", encoding="utf-8") as jsonl:
+        jsonl.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _json_ready(record: dict) -> dict:

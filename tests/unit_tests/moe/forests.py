@@ -60,7 +60,7 @@ def dense_gather_index(layout):
 
 
 def relative_error(actual, expected):
-    """||actual - expected|| / ||expected|| (relative L2, DESIGN.md §3)."""
+    """||actual - expected|| / ||expected|| (relative L2, docs/api.md)."""
     actual, expected = actual.detach().double(), expected.detach().double()
     return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 

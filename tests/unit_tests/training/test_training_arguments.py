@@ -1,6 +1,7 @@
 """The command line: the tiny-model preset, Megatron's own flags, and the script's error exit."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -83,4 +84,22 @@ def test_script_reports_bad_input_and_exits_2(tmp_path):
         timeout=120,
     )
     assert result.returncode == 2
-    assert f"pretrain_hybrid.py: error: --data-path {missing}: no such file" in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"pretrain_hybrid.py: error: --data-path {missing}: no such file"
+    )
+    # No argument dump, no warnings about CUDA extensions or --split: a few lines, then the error.
+    assert len(result.stdout.splitlines()) + len(result.stderr.splitlines()) <= 6, (
+        result.stdout + result.stderr
+    )
+    assert "Warning" not in result.stderr and "arguments ---" not in result.stdout
+
+
+def test_megatron_argument_dump_only_when_verbose(capsys):
+    parse_arguments(["--train-iters", "5"])
+    assert (
+        "------------------------ arguments ------------------------" not in capsys.readouterr().out
+    )
+    parse_arguments(["--train-iters", "5", "--shared-prefix-verbose"])
+    dump = capsys.readouterr().out
+    assert "------------------------ arguments ------------------------" in dump
+    assert re.search(r"^  train_iters \.+ 5$", dump, flags=re.MULTILINE)

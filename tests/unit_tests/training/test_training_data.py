@@ -79,7 +79,18 @@ def test_rl_group_weights_and_advantages():
         ('{"input_ids": [1, 2], "loss_mask": [0]}', "loss_mask must be a list of 2"),
         ('{"input_ids": [1, 2], "loss_mask": [0, 2]}', "0/1"),
         ('{"input_ids": [1, 2], "loss_mask": [1, 1]}', "loss_mask[0] is 1"),
-        ('{"input_ids": [1, 2], "loss_maks": [0, 1]}', "unknown key(s) ['loss_maks']"),
+        (
+            '{"input_ids": [1, 2], "loss_maks": [0, 1]}',
+            "unknown key(s) ['loss_maks'] (allowed: ['input_ids', 'loss_mask', 'weight'], and id "
+            "and metadata, which are ignored)",
+        ),
+        ('{"input_ids": [1, 1e32]}', "input_ids has token id 1e+32 outside [0, 64)"),
+        ('{"input_ids": [1, 100000000000000000000]}', "token id 100000000000000000000 outside"),
+        ('{"input_ids": [1, [2, 3], [4]]}', "input_ids[1] is [2, 3]: input_ids must be a flat"),
+        ('{"input_ids": [1, 2], "weight": 1e39}', "weight must be a finite number, got 1e+39"),
+        ('{"input_ids": [1, 2], "weight": 1' + "0" * 400 + "}", "weight must be a finite number"),
+        ('{"input_ids": [1, 2], "loss_mask": [0, [1]]}', "loss_mask must hold 0/1"),
+        ('{"input_ids": [1, 2, 3', "not valid JSON (Expecting ',' delimiter at column 23)"),
         ('{"input_ids": [1, 2], "weight": "high"}', "weight must be a finite number"),
         (
             '{"turns": [{"role": "assistant", "input_ids": [6, 7]}]}',
@@ -104,6 +115,26 @@ def test_malformed_record_names_file_and_line(write_jsonl, line, message):
         load(path)
     assert f"{path}:3" in str(error.value)
     assert message in str(error.value)
+
+
+def test_text_that_is_not_utf8_names_file_and_line(tmp_path):
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_text('{"input_ids": [1, 2, 3]}\n', encoding="utf-16")
+    with pytest.raises(DataError) as error:
+        load(str(utf16))
+    assert str(error.value) == (
+        f"{utf16}:1: not UTF-8 text (byte 0xff at column 1); JSONL files must be UTF-8-encoded "
+        "(this one looks like UTF-16)"
+    )
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"input_ids": [1, 2]}\n{"input_ids": [1, \x93\x00\xfe]}\n')
+    with pytest.raises(
+        DataError, match=r"binary.jsonl:2: not UTF-8 text \(byte 0x93 at column 19\)"
+    ):
+        load(str(binary))
+    with_bom = tmp_path / "bom.jsonl"
+    with_bom.write_text('{"input_ids": [1, 2, 3]}\n', encoding="utf-8-sig")
+    assert load(str(with_bom)).num_tokens == 3
 
 
 def test_overlong_sequence_is_an_error_naming_the_flag(write_jsonl):
@@ -131,6 +162,8 @@ def test_overlong_sequences_dropped_on_request_are_counted(write_jsonl):
 def test_missing_file_and_blend_weights_are_rejected(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         load(str(tmp_path / "absent.jsonl"))
+    with pytest.raises(DataError, match=f"--data-path {tmp_path}: is a directory"):
+        load(str(tmp_path))
     with pytest.raises(DataError, match="blend weights are not supported"):
         load_jsonl_dataset(["0.5"], vocab_size=64, capacity=64, drop_overlong=False)
 

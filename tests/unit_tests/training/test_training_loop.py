@@ -81,7 +81,8 @@ def test_resume_continues_the_same_trajectory(train, tmp_path):
         assert after.loss == pytest.approx(before.loss, rel=1e-6)
         assert after.grad_norm == pytest.approx(before.grad_norm, rel=1e-5)
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 3, 4]  # resume appends
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # truncated to 2, then 3 and 4 again
+    assert [r["loss"] for r in records[2:]] == [m.loss for m in resumed]
 
 
 def test_load_rejects_a_checkpoint_of_another_model(train, tmp_path):
@@ -194,13 +195,34 @@ def test_bad_data_fails_before_any_state_changes(train, tmp_path, write_jsonl):
         (("--vocab-size", "32"), "--vocab-size 32 is below"),
         (("--shared-prefix-capacity", "0"), "--shared-prefix-capacity must be >= 1"),
         (("--shared-prefix-capacity", "8"), "longer than the row capacity 8"),
+        (("--global-batch-size", "0"), "--global-batch-size must be >= 1, got 0"),
+        (("--global-batch-size", "-4"), "--global-batch-size must be >= 1, got -4"),
+        (("--save", "ckpt"), "--save ckpt needs --save-interval N"),
+        (("--save", "ckpt", "--save-interval", "0"), "--save-interval must be >= 1, got 0"),
+        (("--ckpt-step", "3"), "--ckpt-step 3 needs --load"),
+        (
+            ("--position-embedding-type", "learned_absolute", "--shared-prefix-capacity", "300"),
+            "row capacity 300 (--shared-prefix-capacity, default --seq-length) exceeds "
+            "--max-position-embeddings 256",
+        ),
+        (("--load", "no/such/dir"), "--load no/such/dir: no such directory"),
     ],
 )
-def test_bad_flags_are_named(train, tmp_path, flags, message):
+def test_bad_flags_are_named(train, tmp_path, flags, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as error:
         train(*flags)
     assert message in str(error.value)
-    assert not os.path.exists(tmp_path / "metrics.jsonl")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_load_of_the_save_directory_may_not_exist_yet(train, tmp_path):
+    save = str(tmp_path / "ckpt")
+    history, lines = train(
+        *FAST, "--train-iters", "1", "--save", save, "--save-interval", "1", "--load", save
+    )
+    assert len(history) == 1 and any("no checkpoint yet" in line for line in lines)
+    assert os.path.isdir(save)
 
 
 def test_jsonl_sft_and_rl_examples_train(train):
@@ -213,3 +235,16 @@ def test_jsonl_sft_and_rl_examples_train(train):
         )
         assert len(history) == 2 and all(math.isfinite(m.loss) for m in history)
         assert any(f"examples/{name}" in line for line in lines)
+        assert not any("warning" in line for line in lines)  # 8 examples of 13 and 16 per step
+
+
+def test_global_batch_larger_than_the_dataset_is_warned_once(train):
+    repo = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
+    sft = os.path.join(repo, "examples", "sft.jsonl")
+    _, lines = train(*FAST, "--data-path", sft, "--global-batch-size", "32", "--train-iters", "2")
+    warnings = [line for line in lines if "warning" in line]
+    assert len(warnings) == 1
+    assert "--global-batch-size 32 is larger than the 13 examples" in warnings[0]
+    assert "2.46 times on average" in warnings[0]

@@ -134,7 +134,7 @@ def test_step_meter_reports_each_step_once(megatron_world, tmp_path):
     config, dataset, model = setup([], 1)
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(
-        log_interval=1, jsonl_path=str(path), append=False, log=lambda line: None
+        log_interval=1, jsonl_path=str(path), resume_iteration=0, log=lambda line: None
     )
     session = MegatronSession(config, dataset, device=CPU)
     session.meter = StepMeter(

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-# DESIGN.md §3: float32 on CPU, relative L2 error of the per-edge losses and of every gradient.
+# docs/api.md, exactness contract: float32 on CPU, relative L2 error of the per-edge losses and of every gradient.
 LOSS_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4
 
@@ -30,7 +30,7 @@ def dense_edge_losses(model, sequences, layout):
 
 
 def relative_error(actual, expected):
-    """||actual - expected|| / ||expected|| (relative L2, DESIGN.md §3)."""
+    """||actual - expected|| / ||expected|| (relative L2, docs/api.md)."""
     actual, expected = actual.detach(), expected.detach()
     return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 
