@@ -13,6 +13,7 @@ _EXPORTS = {
     "SharedPrefixHybridModel": "megatron.shared_prefix.models.hybrid.hybrid_model",
     "hybrid_stack_spec": "megatron.shared_prefix.models.hybrid.hybrid_layer_specs",
     "enable_cpu": "megatron.shared_prefix.cpu",
+    "context_parallel_edges": "megatron.shared_prefix.context_parallel",
 }
 
 __all__ = sorted(_EXPORTS)

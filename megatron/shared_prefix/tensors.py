@@ -40,6 +40,18 @@ def forest_scope(forest: Optional["ForestTensors"]) -> Iterator[Optional["Forest
         _ACTIVE_FOREST.reset(token)
 
 
+def rank_split(config, tp_group, cp_group) -> tuple[int, int, int, int]:
+    """``(cp_size, cp_rank, sp_size, sp_rank)``: how a forest row is split to reach this rank
+    outside attention and Mamba (the arguments of ``ForestTensors.local_tokens``)."""
+    sequence_parallel = config.sequence_parallel and tp_group.size() > 1
+    return (
+        cp_group.size(),
+        cp_group.rank(),
+        tp_group.size() if sequence_parallel else 1,
+        tp_group.rank() if sequence_parallel else 0,
+    )
+
+
 def cumsum_over_tokens(values: torch.Tensor) -> torch.Tensor:
     """Inclusive cumulative sum of [T, ...] ``values`` along the token dimension (dim 0).
 
@@ -137,56 +149,95 @@ class ForestTensors:
             self._derived[key] = build()
         return self._derived[key]
 
-    def sequence_parallel_tokens(self, size: int, rank: int) -> slice:
-        """The tokens that sequence-parallel rank ``rank`` of ``size`` holds: its ``T / size``.
+    def local_tokens(
+        self, cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, sp_rank: int = 0
+    ) -> torch.Tensor:
+        """[T / (cp * sp)] int64 packed indices of the tokens one rank holds, in its local order.
 
-        megatron splits the sequence dimension into ``size`` equal contiguous chunks outside
-        attention and Mamba; a forest row is split the same way (``T`` must be a multiple of
-        ``size``, which the planner's ``pad_multiple`` provides).
+        Context parallelism gives the rank its share of the row (``context_parallel_tokens``:
+        chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``); sequence parallelism then splits that
+        local sequence into ``sp`` equal contiguous chunks outside attention and Mamba, as megatron
+        splits a sequence. Raises ValueError when the row does not split evenly (the planner's
+        ``pad_multiple`` provides the multiple).
         """
-        if self.num_tokens % size:
+        return self.derive(
+            ("local_tokens", cp_size, cp_rank, sp_size, sp_rank),
+            lambda: self._local_tokens(cp_size, cp_rank, sp_size, sp_rank),
+        )
+
+    def _local_tokens(self, cp_size, cp_rank, sp_size, sp_rank) -> torch.Tensor:
+        from megatron.shared_prefix.context_parallel import context_parallel_tokens
+
+        held = context_parallel_tokens(self.num_tokens, cp_size, cp_rank)
+        if len(held) % sp_size:
             raise ValueError(
-                f"a forest row of {self.num_tokens} tokens cannot be split over {size} "
-                "sequence-parallel ranks (plan with pad_multiple a multiple of the tensor "
-                "parallel size)"
+                f"a forest row of {self.num_tokens} tokens cannot be split over {sp_size} "
+                f"sequence-parallel ranks{' per context-parallel rank' if cp_size > 1 else ''} "
+                "(plan with pad_multiple a multiple of the tensor-parallel size"
+                f"{' x 2 x context_parallel_size' if cp_size > 1 else ''})"
             )
-        chunk = self.num_tokens // size
-        return slice(rank * chunk, (rank + 1) * chunk)
+        chunk = len(held) // sp_size
+        return torch.as_tensor(held[sp_rank * chunk : (sp_rank + 1) * chunk], device=self.device)
 
-    def edge_projection(self, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which hidden states a sequence-parallel rank projects to the vocabulary, and where each
-        edge finds its logits.
+    def edge_projection(
+        self, cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, sp_rank: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Which of a rank's hidden states are projected to the vocabulary, and where each of its
+        edges finds its logits.
 
-        Every rank holds ``T / size`` tokens and selects its own distinct edge sources, padded to
-        the largest count ``U_max`` of any rank (with its first token, whose logits no edge
-        reads), so that the output layer's sequence-parallel all-gather stacks ``size`` equal
-        blocks: rank ``q``'s ``k``-th source lands at row ``q * U_max + k``.
+        A context-parallel rank owns the edges whose source it holds. Within it, every
+        sequence-parallel rank selects its own distinct sources, padded to the largest count
+        ``U_max`` of the group (with its first token, whose logits no edge reads), so that the
+        output layer's sequence-parallel all-gather stacks equal blocks: SP rank ``q``'s ``k``-th
+        source lands at row ``q * U_max + k``.
 
         Returns:
-            ([U_max] int64 local token index of this rank's sources, [E] int64 row of each edge's
-            source in the gathered ``[size * U_max]`` block). With ``size`` 1: the distinct
-            sources and ``edge_source_slot``.
+            ([U_max] int64 index into this rank's local hidden states, [E_own] int64 row of each
+            owned edge's source in the gathered ``[sp * U_max]`` block, [E_own] int64 ascending
+            owned edge indices or None when every edge is owned (context-parallel size 1)).
+            With one rank: the distinct sources, ``edge_source_slot`` and None.
         """
-        return self.derive(("edge_projection", size, rank), lambda: self._projection(size, rank))
-
-    def _projection(self, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if size == 1:
-            return self.edge_unique_source, self.edge_source_slot
-        chunk = self.sequence_parallel_tokens(size, 0).stop
-        sources = self.edge_unique_source.cpu().numpy()
-        owner = sources // chunk
-        counts = np.bincount(owner, minlength=size)
-        width = max(int(counts.max(initial=0)), 1)
-        position = np.arange(len(sources)) - np.concatenate([[0], np.cumsum(counts)[:-1]])[owner]
-        slot_of_source = owner * width + position
-        local = np.zeros(width, dtype=np.int64)
-        mine = owner == rank
-        local[: int(mine.sum())] = sources[mine] - rank * chunk
-        slots = slot_of_source[self.edge_source_slot.cpu().numpy()]
-        return (
-            torch.as_tensor(local, device=self.device),
-            torch.as_tensor(slots, dtype=torch.int64, device=self.device),
+        return self.derive(
+            ("edge_projection", cp_size, cp_rank, sp_size, sp_rank),
+            lambda: self._projection(cp_size, cp_rank, sp_size, sp_rank),
         )
+
+    def _projection(self, cp_size, cp_rank, sp_size, sp_rank):
+        if cp_size == sp_size == 1:
+            return self.edge_unique_source, self.edge_source_slot, None
+        from megatron.shared_prefix.context_parallel import (
+            context_parallel_edges,
+            context_parallel_tokens,
+        )
+
+        held = context_parallel_tokens(self.num_tokens, cp_size, cp_rank)
+        chunk = len(held) // sp_size
+        position = np.full(self.num_tokens, -1, dtype=np.int64)
+        position[held] = np.arange(len(held))
+        sources = self.edge_unique_source.cpu().numpy()
+        mine = position[sources] >= 0
+        sources, source_position = sources[mine], position[sources[mine]]
+        order = np.argsort(source_position, kind="stable")
+        sources, source_position = sources[order], source_position[order]
+        owner = source_position // chunk
+        counts = np.bincount(owner, minlength=sp_size)
+        width = max(int(counts.max(initial=0)), 1)
+        rank_in_owner = (
+            np.arange(len(sources)) - np.concatenate([[0], np.cumsum(counts)[:-1]])[owner]
+        )
+        row_of_source = np.full(self.num_tokens, -1, dtype=np.int64)
+        row_of_source[sources] = owner * width + rank_in_owner
+        local = np.zeros(width, dtype=np.int64)
+        on_this_rank = owner == sp_rank
+        local[: int(on_this_rank.sum())] = source_position[on_this_rank] - sp_rank * chunk
+        layout = self.layout
+        owned = context_parallel_edges(layout, cp_size, cp_rank)
+        slots = row_of_source[layout.edge_source[owned]]
+
+        def on_device(array):
+            return torch.as_tensor(np.asarray(array, dtype=np.int64), device=self.device)
+
+        return on_device(local), on_device(slots), (on_device(owned) if cp_size > 1 else None)
 
     def attention_key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
         """Keys visible to each block of ``block_size`` consecutive queries.

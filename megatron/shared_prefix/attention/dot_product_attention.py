@@ -5,10 +5,17 @@
 megatron-core's DotProductAttention.
 """
 
+import copy
+
+from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron.shared_prefix.attention import flex_backend, torch_backend
+from megatron.shared_prefix.tensor_parallel.context_parallel import (
+    heads_to_whole_row,
+    whole_row_to_heads,
+)
 from megatron.shared_prefix.tensors import current_forest
 
 TREE_ATTENTION_BACKENDS = ("auto", "torch", "flex")
@@ -33,6 +40,12 @@ class TreeDotProductAttention(DotProductAttention):
     number when ``apply_query_key_layer_scaling`` divided it out). Queries and keys arrive with RoPE
     already applied by ``position_ids`` (the model gathers the rotary table by position).
 
+    Under context parallelism a head all-to-all gives every rank the whole row for ``H / cp``
+    heads (``tensor_parallel/context_parallel.py``), the tree backend runs on it unchanged, and a
+    second all-to-all returns this rank's tokens. megatron-core's local DotProductAttention has no
+    context parallelism (it asserts at construction), so the parent is built with a context
+    parallel size of 1 and a dense (non-forest) forward under context parallelism is refused.
+
     Args:
         tree_backend: "flex" (FlexAttention, CUDA), "torch" (runs everywhere; the oracle), or
             "auto": flex for CUDA rows of at least one FlexAttention tile, torch otherwise.
@@ -44,8 +57,20 @@ class TreeDotProductAttention(DotProductAttention):
             raise ValueError(
                 f"tree_backend must be one of {TREE_ATTENTION_BACKENDS}, got {tree_backend!r}"
             )
-        super().__init__(*args, **kwargs)
+        if "config" in kwargs:
+            config = kwargs.pop("config")
+        else:
+            config, *args = args
+        local = config
+        if config.context_parallel_size > 1:
+            local = copy.copy(config)
+            local.context_parallel_size = 1
+        super().__init__(local, *args, **kwargs)
+        self.config = config
         self.tree_backend = tree_backend
+        self.cp_group = getattr(self.pg_collection, "cp", None)
+        if self.cp_group is None:
+            self.cp_group = parallel_state.get_context_parallel_group()
 
     def forward(
         self,
@@ -59,6 +84,12 @@ class TreeDotProductAttention(DotProductAttention):
     ):
         forest = current_forest()
         if forest is None:
+            if self.cp_group.size() > 1:
+                raise ValueError(
+                    f"TreeDotProductAttention: a dense forward with context_parallel_size="
+                    f"{self.cp_group.size()} (megatron-core's local attention has no context "
+                    "parallelism; only forest forwards do here)"
+                )
             return super().forward(
                 query,
                 key,
@@ -85,4 +116,30 @@ class TreeDotProductAttention(DotProductAttention):
             scale *= self.layer_number
         use_flex = use_flex_attention(self.tree_backend, query.is_cuda, forest.num_tokens)
         backend = flex_backend if use_flex else torch_backend
-        return backend.tree_attention(query, key, value, forest, softmax_scale=scale)
+        if self.cp_group.size() == 1:
+            return backend.tree_attention(query, key, value, forest, softmax_scale=scale)
+        return whole_row_to_heads(
+            backend.tree_attention(
+                *self._whole_row(query, key, value), forest, softmax_scale=scale
+            ),
+            self.cp_group,
+        )
+
+    def _whole_row(self, query, key, value):
+        """This rank's tokens -> the whole row for its ``1 / cp`` of the heads.
+
+        Key/value groups travel with their query heads when the group count divides by ``cp``
+        (consecutive query heads share a group); otherwise each query head gets its own copy of its
+        group first.
+        """
+        cp_size = self.cp_group.size()
+        heads, groups = query.shape[2], key.shape[2]
+        if heads % cp_size:
+            raise ValueError(
+                f"{heads} attention heads per tensor-parallel rank cannot be split over "
+                f"context_parallel_size={cp_size}"
+            )
+        if groups % cp_size:
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
+        return tuple(heads_to_whole_row(x, self.cp_group) for x in (query, key, value))

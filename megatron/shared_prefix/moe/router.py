@@ -11,11 +11,11 @@ forest in scope every method is megatron-core's TopKRouter. With a forest in sco
   token by its multiplicity, so their values and gradients are those of the dense micro-batch
   holding the row's sequences (see :class:`TreeTopKRouter` for that reference).
 
-Under sequence parallelism (required by megatron-core for MoE with tensor parallelism) each
-tensor-parallel rank routes its ``T / tp`` tokens of the row (``ForestTensors
-.sequence_parallel_tokens``): its statistics weight those tokens by their multiplicities, counts are
-reduced over the tensor-parallel group as megatron-core reduces them, and every normalizer uses the
-dense token count of the whole row, so the sum over ranks is the dense statistic. Multiplicities
+Under sequence parallelism (required by megatron-core for MoE with tensor parallelism) and
+context parallelism each rank routes its share of the row (``ForestTensors.local_tokens``): its
+statistics weight those tokens by their multiplicities, counts are reduced over the tensor- and
+context-parallel group as megatron-core reduces them, and every normalizer uses the dense token
+count of the whole row, so the sum over ranks is the dense statistic. Multiplicities
 are not needed after routing (expert computation is token-wise), so they do not travel with the
 tokens through dispatch.
 
@@ -41,7 +41,7 @@ from megatron.shared_prefix.moe.statistics import (
     weighted_expert_counts,
 )
 from megatron.shared_prefix.moe.validation import moe_forest_errors
-from megatron.shared_prefix.tensors import ForestTensors, current_forest
+from megatron.shared_prefix.tensors import ForestTensors, current_forest, rank_split
 
 # Rows per gating GEMM on a forest: large enough to keep the GEMM efficient, small enough that
 # padding the last block costs little.
@@ -124,20 +124,19 @@ class TreeTopKRouter(TopKRouter):
                 f"tensor parallel size {self.tp_group.size()} without sequence_parallel (every "
                 "rank would count the whole row)"
             )
-        local = self._local_tokens(forest)
-        if math.prod(router_input.shape[:-1]) != local.stop - local.start:
+        local = len(self._local_tokens(forest))
+        if math.prod(router_input.shape[:-1]) != local:
             errors.append(
                 f"router input holds {math.prod(router_input.shape[:-1])} tokens, this rank's "
-                f"share of the forest {local.stop - local.start}"
+                f"share of the forest {local}"
             )
         if errors:
             raise ValueError("TreeTopKRouter cannot route this forest: " + "; ".join(errors))
 
-    def _local_tokens(self, forest: ForestTensors) -> slice:
-        """The packed tokens this rank routes: the whole row, or its sequence-parallel share."""
-        if self.config.sequence_parallel and self.tp_group.size() > 1:
-            return forest.sequence_parallel_tokens(self.tp_group.size(), self.tp_group.rank())
-        return slice(0, forest.num_tokens)
+    def _local_tokens(self, forest: ForestTensors) -> torch.Tensor:
+        """[T_local] packed indices of the tokens this rank routes (its context- and
+        sequence-parallel share of the row, in its local order)."""
+        return forest.local_tokens(*rank_split(self.config, self.tp_group, self.cp_group))
 
     def _local_multiplicity(self, forest: ForestTensors, tables: ForestRoutingTables):
         """[T_local] int64 multiplicities of the tokens this rank routes."""
@@ -261,8 +260,11 @@ class TreeTopKRouter(TopKRouter):
         tables = forest_routing_tables(forest)
         local = self._local_tokens(forest)
         row_map = routing_map.to(torch.int64)
-        if local.stop - local.start != forest.num_tokens:
-            row_map = F.pad(row_map, (0, 0, local.start, forest.num_tokens - local.stop))
+        if len(local) != forest.num_tokens:
+            # This rank's tokens at their row positions, zero elsewhere (each index once).
+            row_map = row_map.new_zeros(forest.num_tokens, row_map.shape[-1]).index_copy(
+                0, local, row_map
+            )
         sequence_counts = reduce_from_tensor_model_parallel_region(
             tables.sequence_counts(row_map), self.tp_cp_group
         )

@@ -31,7 +31,10 @@ class TreeMambaMixer(MambaMixer):
     (tree_conv.py), split into x / B / C, the tree scan with softplus(dt + dt_bias),
     A = -exp(A_log) and D (tree_scan.py), the gate (``norm(y, z)`` with rmsnorm, else
     ``y * silu(z)``), out_proj. The parameters come from the context-parallel getters as in the
-    stock paths. The fused training kernel (``use_mamba_mem_eff_path``) computes the same function
+    stock paths. Under context parallelism megatron-core's ``MambaContextParallel`` exchanges
+    sequence for heads around the scan (``pre_conv_ssm`` / ``post_conv_ssm``), so the tree conv and
+    the forked-state scan see the whole row for this rank's heads; the gate's norm then runs on this
+    rank's tokens, as in megatron-core's unfused path. The fused training kernel (``use_mamba_mem_eff_path``) computes the same function
     (``norm(y * silu(z))``) but has no per-segment state input, so a forest always takes this path,
     whatever that setting.
 
@@ -69,7 +72,10 @@ class TreeMambaMixer(MambaMixer):
             hidden_states, forest, inference_context, inference_params, packed_seq_params
         )
         zxBCdt, _ = self.in_proj(hidden_states)
-        y = self._tree_ssm(zxBCdt, forest)
+        y, z = self._tree_ssm(self.cp.pre_conv_ssm(zxBCdt), forest)
+        y = self.cp.post_conv_ssm(y)
+        if self.rmsnorm:
+            y = self.norm(y, self.cp.post_conv_ssm(z))
         return self.out_proj(y)
 
     def _check_forest_forward(
@@ -83,13 +89,10 @@ class TreeMambaMixer(MambaMixer):
             )
         if packed_seq_params is not None:
             errors.append("packed_seq_params (the forest defines the segments)")
-        if self.cp.cp_size != 1:
-            errors.append(f"context parallel size {self.cp.cp_size} (must be 1)")
-        # Under sequence parallelism the mixer gets this rank's T / tp tokens; in_proj gathers the
-        # row and out_proj scatters it again, so the scan always sees the whole row.
-        tokens = forest.num_tokens // (
-            self.pg_collection.tp.size() if self.config.sequence_parallel else 1
-        )
+        # The mixer gets this rank's T / (cp * sp) tokens; in_proj gathers the sequence-parallel
+        # ones, the context-parallel all-to-all the rest, so the scan always sees the whole row.
+        tokens = forest.num_tokens // self.cp.cp_size
+        tokens //= self.pg_collection.tp.size() if self.config.sequence_parallel else 1
         if hidden_states.dim() != 3 or hidden_states.shape[:2] != (tokens, 1):
             errors.append(
                 f"hidden_states of shape {tuple(hidden_states.shape)} "
@@ -99,7 +102,8 @@ class TreeMambaMixer(MambaMixer):
             raise ValueError("TreeMambaMixer cannot run this forest forward: " + "; ".join(errors))
 
     def _tree_ssm(self, zxBCdt, forest: ForestTensors):
-        """[T, 1, d_proj] projected inputs -> [T, 1, d_inner] gated (and normed) SSM output."""
+        """[T, 1, d_proj] projected inputs of the whole row -> ([T, 1, d_inner] SSM output, gated
+        unless the gate is the norm's; [T, 1, d_inner] gate input of the norm, or None)."""
         length = zxBCdt.shape[0]
         heads, groups = self.cp.nheads_local_tpcp, self.cp.ngroups_local_tpcp
         inner, state = self.cp.d_inner_local_tpcp, self.d_state
@@ -143,5 +147,5 @@ class TreeMambaMixer(MambaMixer):
         # Back to megatron's [T, 1, d_inner] layout, then the stock unfused path's gate and norm.
         y = y.reshape(1, length, inner).transpose(0, 1).contiguous()
         if self.rmsnorm:
-            y = self.norm(y, z.reshape(1, length, inner).transpose(0, 1).contiguous())
-        return y
+            return y, z.reshape(1, length, inner).transpose(0, 1).contiguous()
+        return y, None

@@ -87,8 +87,9 @@ class BatchConfig:
         normalization: loss normalization (``--shared-prefix-loss-normalization``).
         data_parallel_size: data-parallel replicas sharing each global batch.
         pad_multiple: every packed row's length is a multiple of it: the tensor-parallel size
-            under ``--sequence-parallel`` (a row splits into equal chunks), the capacity for the
-            allgather MoE dispatcher under expert parallelism (it stacks equal-length rows).
+            under ``--sequence-parallel`` times ``2 x --context-parallel-size`` (a row splits into
+            equal chunks), the capacity for the allgather MoE dispatcher under expert parallelism
+            (it stacks equal-length rows).
     """
 
     global_batch_size: int
@@ -112,8 +113,8 @@ class BatchConfig:
         _require(
             self.capacity % self.pad_multiple == 0,
             f"--shared-prefix-capacity {self.capacity} must be a multiple of "
-            f"{self.pad_multiple} (the tensor-parallel size under --sequence-parallel: every row "
-            "splits into equal chunks)",
+            f"{self.pad_multiple} (the tensor-parallel size under --sequence-parallel times 2 x "
+            "--context-parallel-size: every row splits into equal chunks)",
         )
         per_step = self.micro_batch_size * self.data_parallel_size
         _require(
@@ -240,7 +241,6 @@ class CheckpointConfig:
 
 # Megatron flags whose non-default values the single-process loop cannot honour -> the value needed.
 LOOP_UNSUPPORTED = {
-    "context_parallel_size": 1,
     "fp16": False,
     "bf16": False,
     "optimizer": "adam",
@@ -361,9 +361,10 @@ def row_pad_multiple(args: argparse.Namespace, capacity: int) -> int:
     if args.num_experts and args.expert_model_parallel_size > 1:
         if args.moe_token_dispatcher_type == "allgather":
             return capacity
+    multiple = 2 * args.context_parallel_size if args.context_parallel_size > 1 else 1
     if args.sequence_parallel and args.tensor_model_parallel_size > 1:
-        return args.tensor_model_parallel_size
-    return 1
+        multiple *= args.tensor_model_parallel_size
+    return multiple
 
 
 def check_flags_before_megatron(args: argparse.Namespace) -> None:
@@ -412,6 +413,12 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
         not args.eval_iters,
         f"--eval-iters {args.eval_iters}: validation data is not supported; use 0",
     )
+    _require(
+        args.shared_prefix_packing or args.context_parallel_size == 1,
+        f"--context-parallel-size {args.context_parallel_size} with --no-shared-prefix-packing: "
+        "dense rows under context parallelism need Transformer Engine's attention, which this "
+        "script's local spec does not use",
+    )
     if args.shared_prefix_packing:
         for name in ("attention_dropout", "hidden_dropout"):
             _require(
@@ -419,11 +426,6 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
                 f"{_flag(name)} {getattr(args, name)}: must be 0 with --shared-prefix-packing "
                 "(sequences sharing a packed token would share its dropout mask)",
             )
-        _require(
-            args.context_parallel_size == 1,
-            f"--context-parallel-size {args.context_parallel_size}: shared-prefix packing "
-            "supports only 1",
-        )
         _require(
             not (args.num_experts and args.tensor_model_parallel_size > 1)
             or args.sequence_parallel,

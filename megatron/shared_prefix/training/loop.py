@@ -189,7 +189,7 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         processes = (
             f"loop of {args.world_size} processes (TP {layout.tensor}"
             f"{' + SP' if layout.sequence_parallel else ''}, PP {layout.pipeline}, EP "
-            f"{layout.expert}, DP {config.batch.data_parallel_size})"
+            f"{layout.expert}, CP {layout.context}, DP {config.batch.data_parallel_size})"
         )
     log(
         f"[shared-prefix] trainer: {processes} on {where}"

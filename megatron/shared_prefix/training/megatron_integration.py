@@ -58,6 +58,7 @@ from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics
 from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
+    micro_batch_units,
     weighted_loss_sum,
 )
 
@@ -111,6 +112,8 @@ class StepMeter:
             (called once per step), or None.
         group: the data-parallel process group (None: no reduction, one process).
         device: device of the reduction buffer.
+        context_group: the context-parallel group, whose ranks each hold part of a row's loss
+            (None: no context parallelism).
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class StepMeter:
         learning_rate,
         group,
         device,
+        context_group=None,
     ):
         self.writer = writer
         self.train_iters = train_iters
@@ -132,6 +136,7 @@ class StepMeter:
         self.global_batch_size = global_batch_size
         self.learning_rate = learning_rate
         self.group = group
+        self.context_group = context_group
         self.device = device
         self._start = time.perf_counter()
         self._step: Optional[StepBatch] = None
@@ -154,6 +159,8 @@ class StepMeter:
         if self._step is None:
             return
         step, self._step = self._step, None
+        if self.context_group is not None and self.context_group.size() > 1:
+            torch.distributed.all_reduce(self._loss_sum, group=self.context_group)
         totals = torch.stack(
             [
                 self._loss_sum,
@@ -332,6 +339,7 @@ class MegatronSession:
             global_batch_size=self.config.batch.global_batch_size,
             learning_rate=learning_rate,
             group=parallel_state.get_data_parallel_group(),
+            context_group=parallel_state.get_context_parallel_group(),
             device=self.device,
         )
         rows = RowIterator(
@@ -362,9 +370,11 @@ class MegatronSession:
 
     def loss_func(self, micro_batch, losses: torch.Tensor):
         """(loss sum, units, {'lm loss': [sum, units]}), the ``--calculate-per-token-loss`` form."""
+        from megatron.core import parallel_state
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-        loss_sum = weighted_loss_sum(losses, micro_batch)
+        cp_group = parallel_state.get_context_parallel_group()
+        loss_sum = weighted_loss_sum(losses, micro_batch, cp_group)
         if self.config.checkpoint.check_finite:
             machine = get_rerun_state_machine()
             machine.validate_result(
@@ -381,7 +391,9 @@ class MegatronSession:
                 tolerance=0.0,
                 fatal=True,
             )
-        units = torch.tensor(micro_batch.units, dtype=torch.int, device=losses.device)
+        units = torch.tensor(
+            micro_batch_units(micro_batch, cp_group), dtype=torch.int, device=losses.device
+        )
         self.meter.add_loss(loss_sum)
         report = torch.stack([loss_sum.detach().float(), units.float()])
         return loss_sum, units, {"lm loss": report}

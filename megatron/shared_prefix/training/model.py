@@ -16,7 +16,13 @@ import torch
 
 from megatron.shared_prefix.training.batching import DenseMicroBatch, MicroBatch, PackedRow
 
-__all__ = ["transformer_config", "build_model", "forward_micro_batch", "weighted_loss_sum"]
+__all__ = [
+    "transformer_config",
+    "build_model",
+    "forward_micro_batch",
+    "weighted_loss_sum",
+    "micro_batch_units",
+]
 
 # Fused kernels that need CUDA extensions; the single-process loop runs without them.
 _PORTABLE_SETTINGS = {
@@ -101,7 +107,31 @@ def forward_micro_batch(
     return model(tokens, positions, None, labels=labels)
 
 
-def weighted_loss_sum(losses: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
-    """Scalar ``sum(coefficients * losses)``: the micro-batch's share of the loss numerator."""
-    coefficients = torch.from_numpy(micro_batch.coefficients).to(losses.device)
+def _context_parallel(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return group.size(), group.rank()
+
+
+def weighted_loss_sum(losses: torch.Tensor, micro_batch: MicroBatch, cp_group=None) -> torch.Tensor:
+    """Scalar ``sum(coefficients * losses)``: the micro-batch's share of the loss numerator.
+
+    Under context parallelism (``cp_group`` of size > 1) a packed row's forward returns the
+    losses of this rank's edges only (``context_parallel_edges``), so only their coefficients are
+    used; the context-parallel ranks' sums add up to the row's.
+    """
+    coefficients = micro_batch.coefficients
+    cp_size, cp_rank = _context_parallel(cp_group)
+    if cp_size > 1 and isinstance(micro_batch, PackedRow):
+        from megatron.shared_prefix.context_parallel import context_parallel_edges
+
+        coefficients = coefficients[context_parallel_edges(micro_batch.layout, cp_size, cp_rank)]
+    coefficients = torch.from_numpy(coefficients).to(losses.device)
     return (losses.float() * coefficients).sum()
+
+
+def micro_batch_units(micro_batch: MicroBatch, cp_group=None) -> int:
+    """The micro-batch's loss units as this rank reports them: all of them, or under context
+    parallelism only on context-parallel rank 0 (megatron sums units over data x context
+    parallel ranks)."""
+    return micro_batch.units if _context_parallel(cp_group)[1] == 0 else 0

@@ -32,6 +32,7 @@ from megatron.shared_prefix.training.config import BatchConfig
 from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
+    micro_batch_units,
     transformer_config,
     weighted_loss_sum,
 )
@@ -48,6 +49,7 @@ class ParallelLayout:
     expert: int
     expert_tensor: int | None
     sequence_parallel: bool
+    context: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelLayout":
@@ -58,11 +60,12 @@ class ParallelLayout:
             expert=args.expert_model_parallel_size,
             expert_tensor=args.expert_tensor_parallel_size,
             sequence_parallel=args.sequence_parallel,
+            context=args.context_parallel_size,
         )
 
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel replicas of this layout in a world of ``world_size`` processes."""
-        return world_size // (self.tensor * self.pipeline)
+        return world_size // (self.tensor * self.pipeline * self.context)
 
     def init(self, seed: int) -> torch.device:
         """Initialize megatron's parallel state for this layout; the rank's device."""
@@ -73,6 +76,7 @@ class ParallelLayout:
             pipeline_model_parallel_size=self.pipeline,
             expert_model_parallel_size=self.expert,
             expert_tensor_parallel_size=self.expert_tensor,
+            context_parallel_size=self.context,
             seed=seed,
         )
 
@@ -83,6 +87,7 @@ def _unsharded_args(args: argparse.Namespace, padded_vocab_size: int) -> argpars
     full.tensor_model_parallel_size = full.pipeline_model_parallel_size = 1
     full.expert_model_parallel_size, full.expert_tensor_parallel_size = 1, 1
     full.sequence_parallel = False
+    full.context_parallel_size = 1
     full.variable_seq_lengths = False
     full.hybrid_layer_pattern = args.hybrid_layer_pattern.replace("|", "")
     full.padded_vocab_size = padded_vocab_size
@@ -132,7 +137,8 @@ def build_parallel_model(args: argparse.Namespace, layout: ParallelLayout):
 
 def _counts_in_norm(name: str, param: torch.nn.Parameter, model) -> bool:
     """Whether this rank's copy of ``param`` is the one counted in the full gradient norm: each
-    shard once (data-parallel rank 0; tensor-parallel rank 0 for a replicated parameter; not the
+    shard once (data- and context-parallel rank 0; tensor-parallel rank 0 for a replicated
+    parameter; not the
     last stage's copy of a tied embedding)."""
     from megatron.core import parallel_state
 
@@ -141,7 +147,7 @@ def _counts_in_norm(name: str, param: torch.nn.Parameter, model) -> bool:
         replica = parallel_state.get_expert_data_parallel_rank()
         tensor_rank = parallel_state.get_expert_tensor_parallel_rank()
     else:
-        replica = parallel_state.get_data_parallel_rank()
+        replica = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         tensor_rank = parallel_state.get_tensor_model_parallel_rank()
     if replica != 0:
         return False
@@ -194,6 +200,7 @@ class ParallelStepper:
         self.device = device
         self.data_parallel_rank = parallel_state.get_data_parallel_rank()
         self.data_parallel_group = parallel_state.get_data_parallel_group()
+        self.context_parallel_group = parallel_state.get_context_parallel_group()
 
     def rows(self, examples) -> StepBatch:
         """This data-parallel rank's share of a global batch, as the fixed number of rows."""
@@ -227,11 +234,14 @@ class ParallelStepper:
         step = self.rows(examples)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
+        cp_group = self.context_parallel_group
+
         def loss_func(micro_batch, losses):
             nonlocal loss_sum
-            contribution = weighted_loss_sum(losses, micro_batch)
+            contribution = weighted_loss_sum(losses, micro_batch, cp_group)
             loss_sum = loss_sum + contribution.detach().double()
-            units = torch.tensor(micro_batch.units, dtype=torch.int, device=losses.device)
+            units = micro_batch_units(micro_batch, cp_group)
+            units = torch.tensor(units, dtype=torch.int, device=losses.device)
             return contribution, units, {"lm loss": torch.stack([contribution.detach(), units])}
 
         def forward_step(data_iterator, chunk):
@@ -251,6 +261,8 @@ class ParallelStepper:
             micro_batch_size=1,
             forward_only=False,
         )
+        # Context-parallel ranks hold parts of one row's loss, and the same row counts.
+        dist.all_reduce(loss_sum, group=cp_group)
         totals = torch.tensor(
             [
                 float(loss_sum),
@@ -264,8 +276,9 @@ class ParallelStepper:
             device=self.device,
         )
         dist.all_reduce(totals, group=self.data_parallel_group)
-        # finalize_model_grads sums this rank's units over data-parallel ranks and divides.
-        units = torch.tensor(step.units, dtype=torch.int, device=self.device)
+        # finalize_model_grads sums this rank's units over data x context parallel ranks.
+        units = sum(micro_batch_units(row, cp_group) for row in step.micro_batches)
+        units = torch.tensor(units, dtype=torch.int, device=self.device)
         finalize_model_grads([self.ddp], num_tokens=units)
         grad_norm = clip_full_gradient(self.model, clip_grad)
         for param in self.model.parameters():

@@ -50,6 +50,7 @@ from tiny import tiny_config  # noqa: E402
 
 from megatron.shared_prefix import (  # noqa: E402
     SharedPrefixHybridModel,
+    context_parallel_edges,
     hybrid_stack_spec,
     plan_shared_prefix,
 )
@@ -79,11 +80,15 @@ class Case:
     ep: int = 1
     etp: Optional[int] = None
     pp: int = 1
+    cp: int = 1
     dispatcher: str = "allgather"
     tied: bool = False
     config: tuple = ()
     seed: int = 0
     replay: bool = False
+    # "random" forests, or "branch_points": rows whose context-parallel chunk boundaries fall
+    # exactly at branch points, one with a root shorter than the Mamba conv window.
+    batch: str = "random"
 
     @property
     def equal_rows(self) -> bool:
@@ -106,6 +111,13 @@ CASES = {
     "pp2": Case("M*|-M*", pp=2, dispatcher="alltoall", seed=8),
     "pp2_moe_tied": Case("*E|M-", pp=2, tied=True, dispatcher="alltoall", seed=9),
     "dp2": Case("M*-E", seed=10),
+    "cp2": Case("M*-M*", cp=2, seed=15, replay=True),
+    "cp2_moe_tied": Case("*EM-", cp=2, tied=True, seed=16),
+    "cp2_branch_points": Case("M*M", cp=2, seed=17, batch="branch_points"),
+    "cp4": Case("M*E", cp=4, seed=18),
+    "cp4_branch_points": Case("*M-", cp=4, seed=19, batch="branch_points"),
+    "cp2_tp2_sp": Case("M*E-", tp=2, sp=True, cp=2, seed=20),
+    "cp2_ep2_alltoall": Case("*E-M", cp=2, ep=2, dispatcher="alltoall", seed=21),
     "tp4": Case("M*-", tp=4, seed=14),
     "tp4_sp_moe": Case("M*E", tp=4, sp=True, seed=11),
     # Experts unsplit (ETP 1): the alltoall dispatcher with EP and ETP > 1 gathers uneven token
@@ -145,6 +157,7 @@ def _config(case: Case, parallel: bool):
             expert_model_parallel_size=case.ep,
             expert_tensor_parallel_size=case.etp or case.tp,
             pipeline_model_parallel_size=case.pp,
+            context_parallel_size=case.cp,
         )
     settings.update(extra)
     return tiny_config(**settings)
@@ -178,10 +191,18 @@ def _routers(model):
 def _batch(case: Case, data_parallel: int):
     """(sequences, rows, edge weights): a multiple of ``data_parallel`` rows, padded for SP."""
     rng = np.random.default_rng(case.seed)
-    sequences = random_sequences(rng, num_sequences=12, vocab_size=VOCAB, max_len=24)
     capacity = 48
+    if case.batch == "branch_points":
+        # A 32-token star (prompt 8, children 8) and an 8-token tree with a 2-token root.
+        prompt = rng.integers(1, VOCAB, 8).tolist()
+        sequences = [prompt + rng.integers(1, VOCAB, 8).tolist() for _ in range(3)]
+        sequences += [[5, 6] + rng.integers(1, VOCAB, 3).tolist() for _ in range(2)]
+        capacity = 32
+    else:
+        sequences = random_sequences(rng, num_sequences=12, vocab_size=VOCAB, max_len=24)
+    multiple = (case.tp if case.sp else 1) * (2 * case.cp if case.cp > 1 else 1)
     plan = plan_shared_prefix(
-        sequences, capacity=capacity, pad_multiple=capacity if case.equal_rows else case.tp
+        sequences, capacity=capacity, pad_multiple=capacity if case.equal_rows else multiple
     )
     rows = plan.rows[: len(plan.rows) - len(plan.rows) % data_parallel]
     assert len(rows) >= data_parallel, (len(plan.rows), data_parallel)
@@ -255,13 +276,17 @@ def _forest_step(case: Case, model, rows, weights):
     mine = list(range(parallel_state.get_data_parallel_rank(), len(rows), data_parallel))
     losses = {}
 
+    cp_group = parallel_state.get_context_parallel_group()
+
     def forward_step(data_iterator, chunk):
         k = next(data_iterator)
         output = chunk(None, None, None, shared_prefix_layout=rows[k])
+        owned = context_parallel_edges(rows[k], cp_group.size(), cp_group.rank())
 
         def loss_func(edge_loss):
             losses[k] = edge_loss.detach().clone()
-            return (edge_loss * weights[k]).sum(), {}
+            # The schedule multiplies by the context-parallel size, DDP averages over DP x CP.
+            return (edge_loss * weights[k][owned]).sum(), {}
 
         return output, loss_func
 
@@ -283,7 +308,7 @@ def _forest_step(case: Case, model, rows, weights):
 
 def run_case(case: Case) -> dict:
     """Run one case on every rank; the result (identical on every rank) as a dict."""
-    data_parallel = dist.get_world_size() // (case.tp * case.pp)
+    data_parallel = dist.get_world_size() // (case.tp * case.pp * case.cp)
     sequences, rows, weights = _batch(case, data_parallel)
     del sequences
     full_weights, ref_losses, ref_grads, ref_counts = _reference(case, rows, weights)
@@ -293,6 +318,7 @@ def run_case(case: Case) -> dict:
         pipeline_model_parallel_size=case.pp,
         expert_model_parallel_size=case.ep,
         expert_tensor_parallel_size=case.etp,
+        context_parallel_size=case.cp,
     )
     model = _build(case, parallel=True)
     load_full_tensors(model, full_weights)
@@ -309,12 +335,24 @@ def run_case(case: Case) -> dict:
         )
 
     # Losses: every row's, from the last stage of the rank that ran it (the same on every TP rank).
+    # At CP > 1 each rank's losses are those of its own edges; together, every edge once.
+    cp_size = parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    last = parallel_state.is_pipeline_last_stage()
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, losses if parallel_state.is_pipeline_last_stage() else {})
+    dist.all_gather_object(everyone, (cp_rank, losses if last else {}))
     loss_error, tp_ranks_agree = 0.0, True
-    for rank_losses in everyone:
+    edges_seen = {}
+    for rank_cp, rank_losses in everyone:
         for k, loss in rank_losses.items():
-            loss_error = max(loss_error, _relative_error(loss, ref_losses[k]))
+            owned = context_parallel_edges(rows[k], cp_size, rank_cp)
+            if len(owned):
+                loss_error = max(loss_error, _relative_error(loss, ref_losses[k][owned]))
+            edges_seen.setdefault(k, set()).update((rank_cp, int(e)) for e in owned)
+    every_edge_once = all(
+        sorted(e for _, e in edges_seen.get(k, ())) == list(range(len(rows[k].edge_source)))
+        for k in range(len(rows))
+    )
     tp_group = parallel_state.get_tensor_model_parallel_group()
     for k, loss in losses.items():
         gathered = [torch.empty_like(loss) for _ in range(tp_group.size())]
@@ -337,6 +375,7 @@ def run_case(case: Case) -> dict:
         grads_compared=len(grad_errors),
         missing_grads=sorted(set(ref_grads) - set(full_grads)),
         tp_ranks_agree=bool(tp_ranks_agree),
+        every_edge_once=bool(every_edge_once),
         rows=len(rows),
     )
     if replay_bitwise is not None:

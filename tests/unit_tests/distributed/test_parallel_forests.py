@@ -30,9 +30,21 @@ JOBS = {
         "pp2",
         "pp2_moe_tied",
         "dp2",
+        "cp2",
+        "cp2_moe_tied",
+        "cp2_branch_points",
         "reject_ep2_allgather_unequal_rows",
     ],
-    4: ["tp4", "tp4_sp_moe", "tp2_sp_ep2_alltoall", "pp2_tp2_sp"],
+    4: [
+        "tp4",
+        "tp4_sp_moe",
+        "tp2_sp_ep2_alltoall",
+        "pp2_tp2_sp",
+        "cp4",
+        "cp4_branch_points",
+        "cp2_tp2_sp",
+        "cp2_ep2_alltoall",
+    ],
 }
 CASES = [(world, name) for world, names in JOBS.items() for name in names]
 
@@ -87,6 +99,7 @@ def test_parallel_forest_matches_dense(results, world_size, name):
     assert not result["missing_grads"], result
     assert result["grads_compared"] > 10, result
     assert result["tp_ranks_agree"], result
+    assert result["every_edge_once"], result
     if "counts_equal" in result:
         assert result["counts_equal"], result
     if "replay_bitwise" in result:

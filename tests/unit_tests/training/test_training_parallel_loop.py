@@ -45,6 +45,7 @@ LAYOUTS = {
     ),
     "pp2": ("--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "M*|-E"),
     "dp2": (),
+    "cp2": ("--context-parallel-size", "2"),
 }
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU loop's gloo runs")

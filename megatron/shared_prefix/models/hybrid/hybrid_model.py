@@ -21,7 +21,7 @@ from megatron.shared_prefix.layout import ForestLayout
 from megatron.shared_prefix.models.hybrid.validation import validate_forest_forward
 from megatron.shared_prefix.tensor_parallel.cross_entropy import vocab_parallel_edge_cross_entropy
 from megatron.shared_prefix.tensor_parallel.random import bracket_for_recompute
-from megatron.shared_prefix.tensors import ForestTensors, forest_scope
+from megatron.shared_prefix.tensors import ForestTensors, forest_scope, rank_split
 
 
 class SharedPrefixHybridModel(HybridModel):
@@ -122,8 +122,15 @@ class SharedPrefixHybridModel(HybridModel):
         """[T, 1, 1, D] rotary table rows gathered by each token's position (not packed index)."""
         if self.position_embedding_type != "rope":
             return None
-        table = self.rotary_pos_emb(int(forest.layout.position_ids.max()) + 1)
-        return table.index_select(0, forest.position_ids[0])
+        # The whole table (no context-parallel slicing): rows are gathered for this rank's tokens.
+        table = self.rotary_pos_emb.get_emb(int(forest.layout.position_ids.max()) + 1)
+        positions = forest.position_ids[0].index_select(0, self._context_parallel_tokens(forest))
+        return table.index_select(0, positions)
+
+    def _context_parallel_tokens(self, forest: ForestTensors) -> Tensor:
+        """[T / cp] packed indices of this context-parallel rank's tokens (all of them at cp 1)."""
+        cp_group = self.pg_collection.cp
+        return forest.local_tokens(cp_group.size(), cp_group.rank())
 
     def _forest_stack(self, forest: ForestTensors) -> Tensor:
         """This stage's embeddings (first stage) and layers over the packed row.
@@ -134,8 +141,10 @@ class SharedPrefixHybridModel(HybridModel):
         enter, leave = bracket_for_recompute(forest, self._device())
         decoder_input = None
         if self.pre_process:
+            held = self._context_parallel_tokens(forest)
             decoder_input = self.embedding(
-                input_ids=forest.input_ids, position_ids=forest.position_ids
+                input_ids=forest.input_ids.index_select(1, held),
+                position_ids=forest.position_ids.index_select(1, held),
             )
             if self.config.sequence_parallel and not self.embedding.scatter_to_sequence_parallel:
                 decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
@@ -152,17 +161,16 @@ class SharedPrefixHybridModel(HybridModel):
         return leave(hidden_states)
 
     def _edge_loss(self, hidden_states: Tensor, forest: ForestTensors) -> Tensor:
-        """Project only the distinct edge sources to the vocabulary; [E] float32 cross entropy.
+        """Project only the distinct edge sources to the vocabulary; float32 cross entropy of the
+        edges this rank owns ([E], or the context-parallel rank's ``context_parallel_edges``).
 
         Under sequence parallelism each rank selects the sources among its own tokens and the
         output layer's all-gather assembles them (``ForestTensors.edge_projection``); the logits
         stay vocab-parallel.
         """
         tp_group = self.pg_collection.tp
-        split = (
-            (tp_group.size(), tp_group.rank()) if self.output_layer.sequence_parallel else (1, 0)
-        )
-        local_sources, edge_slot = forest.edge_projection(*split)
+        split = rank_split(self.config, tp_group, self.pg_collection.cp)
+        local_sources, edge_slot, owned_edges = forest.edge_projection(*split)
         source_states = hidden_states.index_select(0, local_sources)
         output_weight = (
             self.shared_embedding_or_output_weight()
@@ -173,6 +181,5 @@ class SharedPrefixHybridModel(HybridModel):
             source_states, weight=output_weight, runtime_gather_output=False
         )
         logits = self._scale_logits(logits)
-        return vocab_parallel_edge_cross_entropy(
-            logits[:, 0], edge_slot, forest.edge_target, tp_group
-        )
+        targets = forest.edge_target if owned_edges is None else forest.edge_target[owned_edges]
+        return vocab_parallel_edge_cross_entropy(logits[:, 0], edge_slot, targets, tp_group)

@@ -55,8 +55,13 @@ def _config_errors(config) -> list[str]:
             "sequence_parallel=False (every tensor-parallel rank would route and count the whole "
             "row; megatron-core requires sequence parallelism for MoE under tensor parallelism)"
         )
-    if config.context_parallel_size > 1:
-        errors.append(f"context_parallel_size={config.context_parallel_size} (must be 1)")
+    cp_size = config.context_parallel_size
+    heads_per_rank = config.num_attention_heads // config.tensor_model_parallel_size
+    if cp_size > 1 and heads_per_rank % cp_size:
+        errors.append(
+            f"context_parallel_size={cp_size} with {heads_per_rank} attention heads per "
+            "tensor-parallel rank (the head all-to-all gives each rank an equal share)"
+        )
     if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
         errors.append(f"cuda_graph_impl={config.cuda_graph_impl!r} (CUDA graphs)")
     if config.fp8:
@@ -102,12 +107,18 @@ def _layout_errors(model, layout: ForestLayout) -> list[str]:
         errors.append(
             f"edge target {int(layout.edge_target.max())} >= vocab_size {model.vocab_size}"
         )
-    tp_size = model.config.tensor_model_parallel_size
-    if model.config.sequence_parallel and tp_size > 1 and layout.num_tokens % tp_size:
+    config = model.config
+    tp_size = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    multiple = tp_size * (
+        2 * config.context_parallel_size if config.context_parallel_size > 1 else 1
+    )
+    if layout.num_tokens % multiple:
         errors.append(
-            f"shared_prefix_layout of {layout.num_tokens} tokens with sequence_parallel=True and "
-            f"tensor_model_parallel_size={tp_size} (the row must split into equal chunks: plan "
-            f"with pad_multiple a multiple of {tp_size})"
+            f"shared_prefix_layout of {layout.num_tokens} tokens with sequence_parallel="
+            f"{config.sequence_parallel}, tensor_model_parallel_size="
+            f"{config.tensor_model_parallel_size} and context_parallel_size="
+            f"{config.context_parallel_size} (the row must split into equal chunks: plan with "
+            f"pad_multiple a multiple of {multiple})"
         )
     errors += _expert_parallel_row_errors(model.config, layout.num_tokens)
     if model.position_embedding_type == "learned_absolute" and layout.num_tokens:

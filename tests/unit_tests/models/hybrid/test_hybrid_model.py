@@ -160,7 +160,7 @@ CONFIG_REJECTIONS = {
     "multi_latent_attention": True,
     "experimental_attention_variant": "dsa",
     "pipeline_model_parallel_size": 2,
-    "context_parallel_size": 2,
+    "context_parallel_size": 3,
     "cuda_graph_impl": "local",
     "fp8": "e4m3",
     "fp4": "e2m1",
