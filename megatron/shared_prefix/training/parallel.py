@@ -138,8 +138,7 @@ def build_parallel_model(args: argparse.Namespace, layout: ParallelLayout):
 def _counts_in_norm(name: str, param: torch.nn.Parameter, model) -> bool:
     """Whether this rank's copy of ``param`` is the one counted in the full gradient norm: each
     shard once (data- and context-parallel rank 0; tensor-parallel rank 0 for a replicated
-    parameter; not the
-    last stage's copy of a tied embedding)."""
+    parameter; not the last stage's copy of a tied embedding)."""
     from megatron.core import parallel_state
 
     expert = not getattr(param, "allreduce", True)
