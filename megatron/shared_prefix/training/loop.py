@@ -153,7 +153,7 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
     """
     args = parse_arguments(argv)
     config = RunConfig.from_args(args, trainer="loop")
-    dataset = config.data.load()
+    dataset = config.data.load(log)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     where = device.type
@@ -172,6 +172,8 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         f" | loss normalization: {config.batch.normalization.value}"
     )
     log(f"[shared-prefix] data: {dataset.summary()}")
+    for note in dataset.notes:
+        log(f"[shared-prefix] data: {note}")
     try:
         trainer = _Trainer(args, config, device, log)
         return trainer.train(ExampleStream(dataset, config.batch.global_batch_size))

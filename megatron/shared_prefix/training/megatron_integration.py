@@ -397,6 +397,8 @@ def pretrain_with_megatron() -> None:
         f"| {config.batch.micro_batches_per_step} micro-batches per step and rank"
     )
     print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
+    for note in dataset.notes:
+        print_rank_0(f"[shared-prefix] data: {note}")
     session = MegatronSession(config, dataset)
     _use_prebuilt_dataset_helpers()
     pretrain(

@@ -1,0 +1,241 @@
+"""Megatron's tokenizers for text records: set-up from the command line, chat rendering, encoding.
+
+``build_text_tokenizer(args)`` builds the tokenizer of ``--tokenizer-type`` with megatron-core's own
+``build_tokenizer`` (megatron.core.tokenizers), as megatron.training does, so the vocabulary size and
+its padding (``args.padded_vocab_size``) come from the tokenizer exactly as in Megatron. The result
+is a :class:`TextTokenizer`, the small interface the text loader (text_data.py) needs:
+
+* ``render(messages, add_generation_prompt)``: the chat template's text;
+* ``generation_spans(messages)``: character spans of the template's ``{% generation %}`` blocks
+  (None when the template has no markers);
+* ``encode(texts, special_tokens)``: token ids and per-token character offsets of many texts at once
+  (Hugging Face fast tokenizers encode a batch in parallel);
+* ``fingerprint``: a digest of everything that decides the tokens (tokenizer files, settings, chat
+  template, library versions), part of the tokenized-data cache key.
+
+Supported: ``HuggingFaceTokenizer`` with a local directory (``--tokenizer-model DIR``, a fast
+tokenizer: ``tokenizer.json``). megatron-core's ``GPT2BPETokenizer`` and ``BertWordPiece*`` types
+resolve a hub model name even when given local vocabulary files, so they are refused here. Chat
+templates are rendered as transformers' ``apply_chat_template`` renders them (the tokenizer's
+special tokens are template variables), and chats are tokenized as it tokenizes them (no special
+tokens added around the rendered text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import os
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "TEXT_TOKENIZER_TYPES",
+    "TokenizerError",
+    "TextTokenizer",
+    "build_text_tokenizer",
+    "uses_text_tokenizer",
+]
+
+# Megatron tokenizer types that read text records from local files only.
+TEXT_TOKENIZER_TYPES = ("HuggingFaceTokenizer",)
+
+# Files of a model directory that never influence tokenization (weights); everything else in the
+# directory of --tokenizer-model is part of the fingerprint.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Flags that change what build_tokenizer builds.
+_TOKENIZER_FLAGS = (
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+    "special_tokens",
+    "tokenizer_hf_no_use_fast",
+    "tokenizer_hf_no_include_special_tokens",
+    "trust_remote_code",
+    "metadata_path",
+)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer flags cannot give a text tokenizer; the message names the flag."""
+
+
+def uses_text_tokenizer(args: argparse.Namespace) -> bool:
+    """True when ``--tokenizer-type`` selects a tokenizer for text records (not NullTokenizer)."""
+    return args.tokenizer_type != "NullTokenizer"
+
+
+def _file_digest(path: str, digest) -> None:
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+class TextTokenizer:
+    """A Megatron text tokenizer (megatron.core.tokenizers) as the text loader uses it.
+
+    Args:
+        megatron_tokenizer: what ``build_tokenizer`` returned.
+        args: the parsed flags (for the fingerprint).
+    """
+
+    def __init__(self, megatron_tokenizer, args: argparse.Namespace):
+        self.megatron_tokenizer = megatron_tokenizer
+        # megatron-core's text tokenizer keeps its library wrapper in ``_tokenizer``; the Hugging
+        # Face wrappers expose the transformers tokenizer as ``tokenizer``. Offsets and batched
+        # encoding need the transformers object itself.
+        wrapper = megatron_tokenizer._tokenizer  # pylint: disable=protected-access
+        self.hf = wrapper.tokenizer
+        if not getattr(self.hf, "is_fast", False):
+            raise TokenizerError(
+                f"--tokenizer-type {args.tokenizer_type}: text records need a fast (Rust) Hugging "
+                "Face tokenizer for token offsets; drop --tokenizer-hf-no-use-fast or provide a "
+                "tokenizer.json"
+            )
+        # Whether Megatron's ``tokenize`` adds the tokenizer's special tokens to plain text
+        # (``--tokenizer-hf-no-include-special-tokens`` turns it off).
+        self.include_special_tokens = bool(wrapper.include_special_tokens)
+        self.chat_template: Optional[str] = megatron_tokenizer.chat_template
+        self.vocab_size = int(megatron_tokenizer.vocab_size)
+        self.has_generation_markers = bool(
+            self.chat_template and _GENERATION_MARKER.search(self.chat_template)
+        )
+        self.fingerprint = self._fingerprint(args)
+
+    def _fingerprint(self, args: argparse.Namespace) -> str:
+        digest = hashlib.sha256()
+        for name in _TOKENIZER_FLAGS:
+            digest.update(f"{name}={getattr(args, name, None)!r}\n".encode())
+        paths = [getattr(args, "vocab_file", None), getattr(args, "merge_file", None)]
+        model = getattr(args, "tokenizer_model", None)
+        if model and os.path.isdir(model):
+            paths += [
+                os.path.join(model, name)
+                for name in sorted(os.listdir(model))
+                if os.path.isfile(os.path.join(model, name))
+                and not name.endswith(_WEIGHT_SUFFIXES)
+            ]
+        elif model:
+            paths.append(model)
+        for path in paths:
+            if path and os.path.isfile(path):
+                digest.update(f"file {os.path.basename(path)}\n".encode())
+                _file_digest(path, digest)
+        digest.update(f"chat_template={self.chat_template!r}\n".encode())
+        digest.update(f"vocab_size={self.vocab_size}\n".encode())
+        for package in ("transformers", "tokenizers", "megatron-core"):
+            digest.update(f"{package}=={_version(package)}\n".encode())
+        return digest.hexdigest()
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether messages can be rendered (the tokenizer's template or ``--chat-template``)."""
+        return bool(self.chat_template)
+
+    def _template_variables(self) -> dict:
+        # apply_chat_template passes the special tokens (bos_token, eos_token, ...) to the template.
+        return dict(self.hf.special_tokens_map)
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+        """The chat template's text of ``messages`` (as ``apply_chat_template(tokenize=False)``)."""
+        return self.hf.apply_chat_template(
+            list(messages),
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def generation_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """Rendered text and the character span of each ``{% generation %}`` block, in order.
+
+        The same rendering and spans as ``apply_chat_template(return_assistant_tokens_mask=True)``
+        uses for its ``assistant_masks``.
+        """
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, indices = render_jinja_template(
+            conversations=[list(messages)],
+            chat_template=self.chat_template,
+            return_assistant_tokens_mask=True,
+            add_generation_prompt=False,
+            **self._template_variables(),
+        )
+        return rendered[0], [(int(start), int(end)) for start, end in indices[0]]
+
+    def encode(
+        self, texts: Sequence[str], special_tokens: bool
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Token ids and ``[n, 2]`` character offsets (start, end) of each text.
+
+        ``special_tokens=False`` is how ``apply_chat_template`` tokenizes a rendered chat (the
+        template writes BOS and the like itself) and how a completion continues a prompt;
+        ``True`` adds what the tokenizer adds to plain text (Megatron's ``tokenize``).
+        """
+        if not texts:
+            return []
+        out = self.hf(
+            list(texts),
+            add_special_tokens=special_tokens,
+            return_offsets_mapping=True,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            verbose=False,
+        )
+        return [
+            (
+                np.asarray(ids, dtype=np.int64),
+                np.asarray(offsets, dtype=np.int64).reshape(len(ids), 2),
+            )
+            for ids, offsets in zip(out["input_ids"], out["offset_mapping"])
+        ]
+
+
+def build_text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
+    """The tokenizer of ``--tokenizer-type`` (megatron-core's ``build_tokenizer``) for text records.
+
+    Sets ``args.padded_vocab_size`` from the tokenizer's vocabulary, as megatron.training does.
+
+    Raises:
+        TokenizerError: naming the flag when the type is not supported for text records, a file is
+            missing, or the tokenizer cannot be loaded.
+    """
+    kind = args.tokenizer_type
+    if kind not in TEXT_TOKENIZER_TYPES:
+        raise TokenizerError(
+            f"--tokenizer-type {kind}: text records support {list(TEXT_TOKENIZER_TYPES)} (and "
+            "NullTokenizer for token-id records only)"
+        )
+    model = args.tokenizer_model
+    if not model:
+        raise TokenizerError(
+            f"--tokenizer-type {kind} needs --tokenizer-model DIR (a local tokenizer directory: "
+            "tokenizer.json, tokenizer_config.json)"
+        )
+    if not os.path.exists(model):
+        raise TokenizerError(f"--tokenizer-model {model}: no such file or directory")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise TokenizerError(
+            f"--tokenizer-type {kind} needs the transformers package: pip install "
+            "'megatron-shared-prefix[text]'"
+        ) from None
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    try:
+        megatron_tokenizer = build_tokenizer(args)
+    except (ValueError, OSError, AssertionError) as exc:
+        raise TokenizerError(f"--tokenizer-type {kind}: cannot load the tokenizer: {exc}") from None
+    return TextTokenizer(megatron_tokenizer, args)
