@@ -154,7 +154,7 @@ class _Chat:
     messages: list
     text: str
     tokens: np.ndarray
-    last_span_start: int
+    last_turn_end: int  # where the last message's content ends in ``text``
 
 
 def _sharing_cause(earlier: _Chat, later: _Chat) -> str:
@@ -165,15 +165,15 @@ def _sharing_cause(earlier: _Chat, later: _Chat) -> str:
             "turn boundary"
         )
     common = os.path.commonprefix([earlier.text, later.text])
-    if len(common) >= earlier.last_span_start:
+    if len(common) >= earlier.last_turn_end:
         return (
             f"the template ends the conversation differently from a continued one (text differs "
-            f"at character {len(common)}, after the last turn began: e.g. an end-of-conversation "
+            f"at character {len(common)}, after the last message: e.g. an end-of-conversation "
             "marker)"
         )
     return (
         f"the template re-renders earlier turns (text differs at character {len(common)}, "
-        "before the earlier snapshot's last turn)"
+        "before the end of the earlier snapshot's last message)"
     )
 
 
@@ -308,7 +308,10 @@ def _chat_record(obj: dict, source: str, config: TextDataConfig) -> _Pending:
         if mask[0]:
             _fail(source, "the first token is supervised, but it has no context to be predicted from")
         example = _example(tokens, mask, np.full(len(tokens), weight, np.float32), source)
-        return [example], _Chat(messages, text, tokens, spans[-1][0])
+        content = messages[-1]["content"]
+        found = text.rfind(content) if content else -1
+        end = found + len(content) if found >= 0 else spans[-1][0]
+        return [example], _Chat(messages, text, tokens, end)
 
     return _Pending([(text, False)], finish)
 
