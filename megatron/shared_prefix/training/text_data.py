@@ -58,6 +58,7 @@ __all__ = [
     "SUPERVISION",
     "TextDataConfig",
     "TokenizedFile",
+    "Progress",
     "SharingReport",
     "tokenize_file",
     "load_text_dataset",
@@ -226,7 +227,9 @@ def _render(tokenizer: TextTokenizer, messages, add_generation_prompt: bool, sou
     except Exception as exc:  # pylint: disable=broad-exception-caught
         # Jinja raises its own errors (and templates call raise_exception) for conversations they
         # do not accept; all of them mean this record cannot be rendered.
-        _fail(source, f"the chat template cannot render this conversation: {exc}")
+        raise DataError(
+            f"{source}: the chat template cannot render this conversation: {exc}"
+        ) from None
 
 
 def _assistant_spans(
@@ -264,7 +267,9 @@ def _assistant_spans(
         if i + 1 == len(messages):
             end = len(text)
         else:
-            end = len(os.path.commonprefix([_render(tokenizer, messages[: i + 1], False, source), text]))
+            end = len(
+                os.path.commonprefix([_render(tokenizer, messages[: i + 1], False, source), text])
+            )
         if end > len(prompt):
             spans.append((len(prompt), end))
     if not spans:
@@ -306,7 +311,9 @@ def _chat_record(obj: dict, source: str, config: TextDataConfig) -> _Pending:
         if not mask.any():
             _fail(source, "no token of the assistant messages remains after tokenization")
         if mask[0]:
-            _fail(source, "the first token is supervised, but it has no context to be predicted from")
+            _fail(
+                source, "the first token is supervised, but it has no context to be predicted from"
+            )
         example = _example(tokens, mask, np.full(len(tokens), weight, np.float32), source)
         content = messages[-1]["content"]
         found = text.rfind(content) if content else -1
@@ -330,7 +337,9 @@ def _rl_record(obj: dict, source: str, config: TextDataConfig) -> _Pending:
         prompt_text, prompt_special = _render(config.tokenizer, messages, True, source), False
     completions = obj["completions"]
     if not isinstance(completions, list) or not completions:
-        _fail(source, "completions must be a non-empty list of {text, weight?, advantages?} objects")
+        _fail(
+            source, "completions must be a non-empty list of {text, weight?, advantages?} objects"
+        )
     entries = []
     for i, completion in enumerate(completions):
         where = f"completions[{i}]"
@@ -344,16 +353,20 @@ def _rl_record(obj: dict, source: str, config: TextDataConfig) -> _Pending:
 
     def finish(encodings):
         (prompt_ids, _), *encoded = encodings
-        if not len(prompt_ids):
+        if prompt_ids.size == 0:
             _fail(source, "prompt tokenizes to no tokens")
         examples = []
         for (where, _, weight, advantages), (ids, _) in zip(entries, encoded):
-            if not len(ids):
+            if ids.size == 0:
                 _fail(source, f"{where}.text tokenizes to no tokens")
             values = np.ones(len(ids), np.float32)
             if advantages is not None:
                 if not isinstance(advantages, list) or len(advantages) != len(ids):
-                    got = len(advantages) if isinstance(advantages, list) else type(advantages).__name__
+                    got = (
+                        len(advantages)
+                        if isinstance(advantages, list)
+                        else type(advantages).__name__
+                    )
                     _fail(
                         source,
                         f"{where}.advantages has {got} values, but {where}.text is {len(ids)} "
@@ -418,7 +431,7 @@ def _record(obj: Any, source: str, config: TextDataConfig) -> _Pending:
 # --------------------------------------------------------------------------------------------------
 
 
-class _Progress:
+class Progress:
     """Records and examples per second while a file is tokenized, on stderr.
 
     On a terminal one line is rewritten about once a second; otherwise a line is printed every
@@ -482,7 +495,7 @@ def _count_lines(path: str) -> int:
 
 
 def tokenize_file(
-    path: str, config: TextDataConfig, progress: Optional[_Progress] = None
+    path: str, config: TextDataConfig, progress: Optional[Progress] = None
 ) -> TokenizedFile:
     """Parse, render and tokenize every record of ``path`` (no cache).
 
@@ -490,7 +503,7 @@ def tokenize_file(
         DataError: naming ``path:line`` for the first bad record.
     """
     start = time.perf_counter()
-    progress = progress or _Progress(path, _count_lines(path))
+    progress = progress or Progress(path, _count_lines(path))
     examples: list[Example] = []
     report = SharingReport()
     state = {"previous": None, "records": 0, "tokens": 0}
@@ -633,7 +646,9 @@ def _wait_for_cache(final: str, path: str, rank: int, log: Callable[[str], None]
         time.sleep(0.5)
         waited += 0.5
         if waited % 60 == 0:
-            log(f"[shared-prefix] rank {rank}: waiting {waited:.0f} s for rank 0 to tokenize {path}")
+            log(
+                f"[shared-prefix] rank {rank}: waiting {waited:.0f} s for rank 0 to tokenize {path}"
+            )
     return _load(final, path)
 
 
@@ -732,7 +747,9 @@ def load_text_dataset(
         examples.extend(_keep(tokenized.examples, capacity, drop_overlong, dropped))
     name = " ".join(paths)
     if not examples:
-        raise DataError(f"{name}: no usable sequences ({num_records} records, {len(dropped)} dropped)")
+        raise DataError(
+            f"{name}: no usable sequences ({num_records} records, {len(dropped)} dropped)"
+        )
     notes = []
     if cached:
         notes.append(f"read tokenized examples of {', '.join(cached)} from the cache")

@@ -1,9 +1,9 @@
-"""Megatron's tokenizers for text records: set-up from the command line, chat rendering, encoding.
+"""Megatron's tokenizers for text records: set-up from the flags, chat rendering, encoding.
 
-``build_text_tokenizer(args)`` builds the tokenizer of ``--tokenizer-type`` with megatron-core's own
-``build_tokenizer`` (megatron.core.tokenizers), as megatron.training does, so the vocabulary size and
-its padding (``args.padded_vocab_size``) come from the tokenizer exactly as in Megatron. The result
-is a :class:`TextTokenizer`, the small interface the text loader (text_data.py) needs:
+``build_text_tokenizer(args)`` builds the tokenizer of ``--tokenizer-type`` with megatron-core's
+own ``build_tokenizer`` (megatron.core.tokenizers), as megatron.training does, so the vocabulary
+size and its padding (``args.padded_vocab_size``) come from the tokenizer exactly as in Megatron.
+The result is a :class:`TextTokenizer`, the small interface the text loader (text_data.py) needs:
 
 * ``render(messages, add_generation_prompt)``: the chat template's text;
 * ``generation_spans(messages)``: character spans of the template's ``{% generation %}`` blocks
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 from typing import Optional, Sequence
@@ -124,8 +125,7 @@ class TextTokenizer:
             paths += [
                 os.path.join(model, name)
                 for name in sorted(os.listdir(model))
-                if os.path.isfile(os.path.join(model, name))
-                and not name.endswith(_WEIGHT_SUFFIXES)
+                if os.path.isfile(os.path.join(model, name)) and not name.endswith(_WEIGHT_SUFFIXES)
             ]
         elif model:
             paths.append(model)
@@ -225,13 +225,11 @@ def build_text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
         )
     if not os.path.exists(model):
         raise TokenizerError(f"--tokenizer-model {model}: no such file or directory")
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         raise TokenizerError(
             f"--tokenizer-type {kind} needs the transformers package: pip install "
             "'megatron-shared-prefix[text]'"
-        ) from None
+        )
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     try:

@@ -12,10 +12,7 @@ import time
 
 import numpy as np
 import pytest
-
-pytest.importorskip("transformers")
-
-from chat_tokenizer import (  # noqa: E402
+from chat_tokenizer import (
     CHATML,
     CHATML_END_MARKER,
     CHATML_MARKED,
@@ -25,16 +22,16 @@ from chat_tokenizer import (  # noqa: E402
     save_chat_tokenizer,
 )
 
-from megatron.shared_prefix.training import text_data  # noqa: E402
-from megatron.shared_prefix.training.config import ConfigError  # noqa: E402
-from megatron.shared_prefix.training.data import DataError, load_jsonl_dataset  # noqa: E402
-from megatron.shared_prefix.training.text_data import (  # noqa: E402
+from megatron.shared_prefix.training import text_data
+from megatron.shared_prefix.training.config import ConfigError
+from megatron.shared_prefix.training.data import DataError, load_jsonl_dataset
+from megatron.shared_prefix.training.text_data import (
     TextDataConfig,
     cache_path,
     load_text_dataset,
     tokenize_file,
 )
-from megatron.shared_prefix.training.tokenizer import build_text_tokenizer  # noqa: E402
+from megatron.shared_prefix.training.tokenizer import build_text_tokenizer
 
 SYSTEM = {"role": "system", "content": "you are a good help"}
 TURNS = [
@@ -97,7 +94,7 @@ def tokenizer_flags(directory):
 
 def tokenized(path, tokenizer, supervise="all-assistant"):
     config = TextDataConfig(tokenizer=tokenizer, supervise=supervise)
-    progress = text_data._Progress(path, 0, stream=io.StringIO())
+    progress = text_data.Progress(path, 0, stream=io.StringIO())
     return tokenize_file(path, config, progress)
 
 
@@ -164,9 +161,11 @@ def test_rl_text_group(tokenizers, write_jsonl):
         [0.25 * (t + 1) for t in range(len(ids[1]))]
     )
     assert first.source.endswith(":1 completions[0]") and plain.source.endswith(":2 completions[0]")
-    assert plain.tokens.tolist() == tokenizer.megatron_tokenizer.tokenize(
-        "the sun"
-    ) + tokenizer.hf(" is warm", add_special_tokens=False)["input_ids"]
+    assert (
+        plain.tokens.tolist()
+        == tokenizer.megatron_tokenizer.tokenize("the sun")
+        + tokenizer.hf(" is warm", add_special_tokens=False)["input_ids"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -221,7 +220,9 @@ def test_cache_is_written_once_and_reused(tokenizers, write_jsonl, tmp_path, cap
     assert os.listdir(os.path.dirname(final)) == [os.path.basename(final)]  # no temporary left
     again, lines = load([path], tokenizer, sample_examples=9)
     assert not lines and "from the cache" in again.notes[0]
-    assert [e.tokens.tolist() for e in again.examples] == [e.tokens.tolist() for e in first.examples]
+    assert [e.tokens.tolist() for e in again.examples] == [
+        e.tokens.tolist() for e in first.examples
+    ]
     assert [e.loss_mask.tolist() for e in again.examples] == [
         e.loss_mask.tolist() for e in first.examples
     ]
@@ -273,7 +274,9 @@ def test_other_ranks_get_rank_zeros_data_error(tokenizers, write_jsonl):
 
     waiting = threading.Thread(target=rank_one)
     waiting.start()
-    with pytest.raises(DataError, match=r"data.jsonl:4: messages has no assistant message") as error:
+    with pytest.raises(
+        DataError, match=r"data.jsonl:4: messages has no assistant message"
+    ) as error:
         load([path], tokenizer, rank=0, world_size=2)
     waiting.join(timeout=30)
     assert errors == [str(error.value)]
@@ -322,7 +325,7 @@ def test_text_records_without_a_tokenizer_name_the_flag(write_jsonl):
 
 def test_progress_reports_examples_per_second():
     stream = io.StringIO()
-    progress = text_data._Progress("data.jsonl", 10, stream=stream, interval=0.0)
+    progress = text_data.Progress("data.jsonl", 10, stream=stream, interval=0.0)
     progress.update(5, 15, 300)
     progress.finish(10, 30, 600)
     lines = stream.getvalue().splitlines()
@@ -365,7 +368,9 @@ def test_text_rl_trains_packed_as_dense(train, write_jsonl, chat_tokenizer_dir):
     from transformers import AutoTokenizer
 
     # One advantage per token of the completion text as the tokenizer encodes it on its own.
-    encoded = AutoTokenizer.from_pretrained(chat_tokenizer_dir)("the water", add_special_tokens=False)
+    encoded = AutoTokenizer.from_pretrained(chat_tokenizer_dir)(
+        "the water", add_special_tokens=False
+    )
     advantages = [1.0 / (t + 1) for t in range(len(encoded["input_ids"]))]
     groups = [
         {
