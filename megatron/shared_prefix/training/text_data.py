@@ -52,7 +52,7 @@ from megatron.shared_prefix.training.data import (
     _numbers,
     parse_record,
 )
-from megatron.shared_prefix.training.tokenizer import TextTokenizer
+from megatron.shared_prefix.training.tokenizer import TextTokenizer, is_plain_chat
 
 __all__ = [
     "SUPERVISION",
@@ -221,9 +221,11 @@ def _messages(value: Any, field: str, source: str) -> list[dict]:
     return value
 
 
-def _render(tokenizer: TextTokenizer, messages, add_generation_prompt: bool, source: str) -> str:
+def _render(
+    tokenizer: TextTokenizer, messages, add_generation_prompt: bool, source: str, plain=None
+) -> str:
     try:
-        return tokenizer.render(messages, add_generation_prompt)
+        return tokenizer.render(messages, add_generation_prompt, plain)
     except Exception as exc:  # pylint: disable=broad-exception-caught
         # Jinja raises its own errors (and templates call raise_exception) for conversations they
         # do not accept; all of them mean this record cannot be rendered.
@@ -250,12 +252,13 @@ def _assistant_spans(
         if not spans:
             _fail(source, "the chat template's {% generation %} blocks enclose no text here")
         return text, spans[-1:] if supervise == "last-assistant" else spans
-    text = _render(tokenizer, messages, False, source)
+    plain = is_plain_chat(messages)
+    text = _render(tokenizer, messages, False, source, plain)
     if supervise == "last-assistant":
         assistant = assistant[-1:]
     spans = []
     for i in assistant:
-        prompt = _render(tokenizer, messages[:i], True, source)
+        prompt = _render(tokenizer, messages[:i], True, source, plain)
         if not text.startswith(prompt):
             _fail(
                 source,
@@ -267,9 +270,8 @@ def _assistant_spans(
         if i + 1 == len(messages):
             end = len(text)
         else:
-            end = len(
-                os.path.commonprefix([_render(tokenizer, messages[: i + 1], False, source), text])
-            )
+            continued = _render(tokenizer, messages[: i + 1], False, source, plain)
+            end = len(os.path.commonprefix([continued, text]))
         if end > len(prompt):
             spans.append((len(prompt), end))
     if not spans:

@@ -38,6 +38,7 @@ __all__ = [
     "TokenizerError",
     "TextTokenizer",
     "build_text_tokenizer",
+    "is_plain_chat",
     "uses_text_tokenizer",
 ]
 
@@ -47,6 +48,8 @@ TEXT_TOKENIZER_TYPES = ("HuggingFaceTokenizer",)
 # Files of a model directory that never influence tokenization (weights); everything else in the
 # directory of --tokenizer-model is part of the fingerprint.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+# Message fields that apply_chat_template copies under each other's names.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Flags that change what build_tokenizer builds.
 _TOKENIZER_FLAGS = (
@@ -69,6 +72,14 @@ class TokenizerError(ValueError):
 def uses_text_tokenizer(args: argparse.Namespace) -> bool:
     """True when ``--tokenizer-type`` selects a tokenizer for text records (not NullTokenizer)."""
     return args.tokenizer_type != "NullTokenizer"
+
+
+def is_plain_chat(messages: Sequence[dict]) -> bool:
+    """Whether every message has string fields only and no reasoning field (see ``render``)."""
+    return all(
+        all(isinstance(v, str) for v in m.values()) and not any(k in m for k in _REASONING_FIELDS)
+        for m in messages
+    )
 
 
 def _file_digest(path: str, digest) -> None:
@@ -114,6 +125,22 @@ class TextTokenizer:
             self.chat_template and _GENERATION_MARKER.search(self.chat_template)
         )
         self.fingerprint = self._fingerprint(args)
+        self._variables = self._template_variables()
+        self._compiled = None
+        if self.chat_template:
+            # The template as apply_chat_template compiles it (transformers caches the result);
+            # megatron-core's own chat-template helper compiles with the same function.
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            self._compiled = _compile_jinja_template(self.chat_template)
+        # The Rust tokenizer that the transformers object calls, copied so that truncation or
+        # padding saved in tokenizer.json cannot cut a text (transformers' __call__ turns both off
+        # unless asked for them).
+        from tokenizers import Tokenizer
+
+        self._backend = Tokenizer.from_str(self.hf.backend_tokenizer.to_str())
+        self._backend.no_truncation()
+        self._backend.no_padding()
 
     def _fingerprint(self, args: argparse.Namespace) -> str:
         digest = hashlib.sha256()
@@ -148,8 +175,27 @@ class TextTokenizer:
         # apply_chat_template passes the special tokens (bos_token, eos_token, ...) to the template.
         return dict(self.hf.special_tokens_map)
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        """The chat template's text of ``messages`` (as ``apply_chat_template(tokenize=False)``)."""
+    def render(
+        self, messages: Sequence[dict], add_generation_prompt: bool, plain: Optional[bool] = None
+    ) -> str:
+        """The chat template's text of ``messages``, as ``apply_chat_template(tokenize=False)``.
+
+        Messages of string fields only (no reasoning fields, which transformers copies under
+        several names) are what apply_chat_template hands its compiled template unchanged, so they
+        are rendered with that template directly: transformers' per-call normalization costs more
+        than the rendering. Anything else goes through apply_chat_template. ``plain`` (whether
+        every message is such) may be given when the caller already knows it.
+        """
+        if plain is None:
+            plain = is_plain_chat(messages)
+        if plain:
+            return self._compiled.render(
+                messages=list(messages),
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._variables,
+            )
         return self.hf.apply_chat_template(
             list(messages),
             chat_template=self.chat_template,
@@ -185,20 +231,13 @@ class TextTokenizer:
         """
         if not texts:
             return []
-        out = self.hf(
-            list(texts),
-            add_special_tokens=special_tokens,
-            return_offsets_mapping=True,
-            return_attention_mask=False,
-            return_token_type_ids=False,
-            verbose=False,
-        )
+        encodings = self._backend.encode_batch(list(texts), add_special_tokens=special_tokens)
         return [
             (
-                np.asarray(ids, dtype=np.int64),
-                np.asarray(offsets, dtype=np.int64).reshape(len(ids), 2),
+                np.asarray(encoding.ids, dtype=np.int64),
+                np.asarray(encoding.offsets, dtype=np.int64).reshape(len(encoding.ids), 2),
             )
-            for ids, offsets in zip(out["input_ids"], out["offset_mapping"])
+            for encoding in encodings
         ]
 
 

@@ -126,6 +126,19 @@ def test_tokens_and_masks_equal_apply_chat_template(tokenizers, write_jsonl, tem
     assert header_targets.sum() == (3 if template == CHATML_MARKED_HEADER else 0)
 
 
+def test_render_equals_apply_chat_template(tokenizers):
+    tokenizer = tokenizers(CHATML_END_MARKER)
+    plain = conversation()
+    rich = plain[:-1] + [dict(plain[-1], reasoning_content="think", tool_calls=[{"id": "1"}])]
+    for messages in (plain, rich):
+        for generation_prompt in (False, True):
+            expected = tokenizer.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+            assert tokenizer.render(messages, generation_prompt) == expected
+    assert tokenizer.render(plain, False).endswith("</s>")
+
+
 @pytest.mark.parametrize("supervise", ["all-assistant", "last-assistant"])
 def test_spans_without_generation_markers_come_from_the_generation_prompt(
     tokenizers, write_jsonl, supervise
