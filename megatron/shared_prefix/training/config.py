@@ -351,6 +351,11 @@ def _text_config(args: argparse.Namespace, data_parallel_size: int) -> Optional[
             "with a text tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR)",
         )
         return None
+    _require(
+        bool(args.data_path) or args.shared_prefix_supervise == "all-assistant",
+        f"--shared-prefix-supervise {args.shared_prefix_supervise}: applies to --data-path records "
+        "(the built-in dataset supervises every assistant turn)",
+    )
     try:
         tokenizer = build_text_tokenizer(args)
     except TokenizerError as exc:

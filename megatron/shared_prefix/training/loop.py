@@ -58,6 +58,7 @@ _SIGNATURE_FLAGS = (
     "mamba_head_dim",
     "mamba_num_groups",
     "vocab_size",
+    "padded_vocab_size",
     "make_vocab_size_divisible_by",
     "position_embedding_type",
     "normalization",

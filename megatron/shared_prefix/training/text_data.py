@@ -271,7 +271,10 @@ def _assistant_spans(
             end = len(text)
         else:
             continued = _render(tokenizer, messages[: i + 1], False, source, plain)
-            end = len(os.path.commonprefix([continued, text]))
+            if text.startswith(continued):
+                end = len(continued)
+            else:  # the template writes something after a last message (an end marker)
+                end = len(os.path.commonprefix([continued, text]))
         if end > len(prompt):
             spans.append((len(prompt), end))
     if not spans:
