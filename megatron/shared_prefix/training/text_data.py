@@ -587,7 +587,7 @@ def _write_atomically(final: str, write: Callable) -> None:
             os.remove(temporary)
 
 
-def _save(final: str, tokenized: TokenizedFile) -> None:
+def _save(final: str, path: str, tokenized: TokenizedFile) -> None:
     examples = tokenized.examples
     lengths = np.fromiter((len(e) for e in examples), np.int64, len(examples))
     sources = [e.source.split(":")[-1] for e in examples]  # "LINE" or "LINE completions[i]"
@@ -595,7 +595,11 @@ def _save(final: str, tokenized: TokenizedFile) -> None:
         "format": _CACHE_FORMAT,
         "num_records": tokenized.num_records,
         "sources": sources,
-        "sharing": dataclasses.asdict(tokenized.sharing),
+        # Locations without the path, which the reading run spells its own way.
+        "sharing": dict(
+            dataclasses.asdict(tokenized.sharing),
+            broken=[entry[len(path) + 1 :] for entry in tokenized.sharing.broken],
+        ),
     }
     arrays = {
         "tokens": np.concatenate([e.tokens for e in examples]).astype(np.int32),
@@ -633,6 +637,7 @@ def _load(final: str, path: str) -> TokenizedFile:
         for i, source in enumerate(meta["sources"])
     ]
     sharing = SharingReport(**meta["sharing"])
+    sharing.broken = [f"{path}:{entry}" for entry in sharing.broken]
     return TokenizedFile(examples, meta["num_records"], sharing, cached=True)
 
 
@@ -674,7 +679,7 @@ def _tokenized(
         if config.world_size > 1:
             _write_atomically(marker, lambda handle: handle.write(str(error).encode()))
         raise
-    _save(final, tokenized)
+    _save(final, path, tokenized)
     log(
         f"[shared-prefix] data: tokenized {path} in {tokenized.seconds:.1f} s "
         f"({len(tokenized.examples) / max(tokenized.seconds, 1e-9):.0f} examples/s); cached as "

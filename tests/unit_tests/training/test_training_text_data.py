@@ -200,6 +200,14 @@ def test_snapshot_sharing_is_checked(tokenizers, write_jsonl, template, shared, 
         assert f"{2 - shared} do not" in report.summary()
 
 
+def test_sharing_report_is_kept_in_the_cache(tokenizers, write_jsonl):
+    path = write_jsonl(snapshots())
+    first, _ = load([path], tokenizers(PLAIN_BLANK_LINES))
+    again, _ = load([path], tokenizers(PLAIN_BLANK_LINES))
+    assert "2 do not" in first.notes[0] and f"{path}:2: " in first.notes[0]
+    assert again.notes[1] == first.notes[0]
+
+
 def test_turns_records_supervise_only_the_last_assistant_turn(tokenizers, write_jsonl):
     turns = [
         {"role": "user", "input_ids": [5, 6]},
