@@ -338,6 +338,39 @@ def test_chat_records_need_a_chat_template(tokenizers, write_jsonl):
         tokenized(path, tokenizers(""))
 
 
+def test_chat_template_flag_replaces_the_tokenizers_template(tmp_path):
+    directory = save_chat_tokenizer(str(tmp_path / "tokenizer"), CHATML)
+    flags = tokenizer_flags(directory)
+    flags.chat_template = CHATML_MARKED
+    tokenizer = build_text_tokenizer(flags)
+    assert tokenizer.chat_template == CHATML_MARKED and tokenizer.has_generation_markers
+    assert build_text_tokenizer(tokenizer_flags(directory)).fingerprint != tokenizer.fingerprint
+
+
+def test_plain_prompts_need_no_chat_template(tokenizers, write_jsonl):
+    path = write_jsonl([{"prompt": "the sun", "completions": [{"text": " is warm"}]}])
+    (example,) = tokenized(path, tokenizers("")).examples
+    assert example.num_targets == len(
+        tokenizers("").hf(" is warm", add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_capacity_rule_applies_after_tokenization(tokenizers, write_jsonl):
+    path = write_jsonl(snapshots())
+    with pytest.raises(
+        DataError, match=r"data.jsonl:1: sequence of \d+ tokens is longer than the row"
+    ):
+        load([path], tokenizers(CHATML), capacity=8)
+
+
+def test_the_text_examples_load(tokenizers):
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    chats = tokenized(os.path.join(repo, "examples", "chat_text.jsonl"), tokenizers(CHATML))
+    assert len(chats.examples) == 9 and chats.sharing.shared == chats.sharing.snapshots == 6
+    groups = tokenized(os.path.join(repo, "examples", "rl_text.jsonl"), tokenizers(CHATML))
+    assert len(groups.examples) == 10 and groups.num_records == 3
+
+
 def test_text_records_without_a_tokenizer_name_the_flag(write_jsonl):
     path = write_jsonl([{"messages": conversation(1)}])
     with pytest.raises(DataError, match="data.jsonl:1: text records .* need a tokenizer"):
