@@ -241,8 +241,6 @@ def _assistant_spans(
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant:
         _fail(source, "messages has no assistant message, so nothing would be supervised")
-    if assistant[0] == 0:
-        _fail(source, "messages[0] is an assistant message: it has no context to be predicted from")
     if tokenizer.has_generation_markers:
         try:
             text, spans = tokenizer.generation_spans(messages)
@@ -256,6 +254,12 @@ def _assistant_spans(
     text = _render(tokenizer, messages, False, source, plain)
     if supervise == "last-assistant":
         assistant = assistant[-1:]
+    if assistant[0] == 0:
+        _fail(
+            source,
+            "messages[0] is a supervised assistant message: it has no context to be predicted from "
+            "(with --shared-prefix-supervise last-assistant only the last one is supervised)",
+        )
     spans = []
     for i in assistant:
         prompt = _render(tokenizer, messages[:i], True, source, plain)

@@ -208,6 +208,18 @@ def test_sharing_report_is_kept_in_the_cache(tokenizers, write_jsonl):
     assert again.notes[1] == first.notes[0]
 
 
+def test_a_conversation_may_open_with_an_assistant_message(tokenizers, write_jsonl):
+    greeting = [{"role": "assistant", "content": "how can I help"}] + conversation(1)[1:]
+    path = write_jsonl([{"messages": greeting}])
+    (last,) = tokenized(path, tokenizers(CHATML), "last-assistant").examples
+    (marked,) = tokenized(path, tokenizers(CHATML_MARKED)).examples
+    expected = hf_chat(tokenizers(CHATML_MARKED), greeting, return_assistant_tokens_mask=True)
+    assert marked.loss_mask.tolist() == [bool(m) for m in expected["assistant_masks"]]
+    assert 0 < last.num_targets < marked.num_targets
+    with pytest.raises(DataError, match="the first token is supervised"):
+        tokenized(path, tokenizers(CHATML_MARKED_HEADER))
+
+
 def test_turns_records_supervise_only_the_last_assistant_turn(tokenizers, write_jsonl):
     turns = [
         {"role": "user", "input_ids": [5, 6]},
@@ -310,7 +322,7 @@ def test_other_ranks_get_rank_zeros_data_error(tokenizers, write_jsonl):
         ({"messages": [{"role": "user", "content": "hi"}]}, "messages has no assistant message"),
         (
             {"messages": [{"role": "assistant", "content": "hi"}]},
-            "messages[0] is an assistant message",
+            "messages[0] is a supervised assistant message",
         ),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
         (
