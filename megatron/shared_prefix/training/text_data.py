@@ -594,12 +594,12 @@ def _write_atomically(final: str, write: Callable) -> None:
 def _save(final: str, path: str, tokenized: TokenizedFile) -> None:
     examples = tokenized.examples
     lengths = np.fromiter((len(e) for e in examples), np.int64, len(examples))
-    sources = [e.source.split(":")[-1] for e in examples]  # "LINE" or "LINE completions[i]"
+    # "LINE" or "LINE completions[i]": the path is added back in the spelling of the reading run.
+    sources = [e.source[len(path) + 1 :] for e in examples]
     meta = {
         "format": _CACHE_FORMAT,
         "num_records": tokenized.num_records,
         "sources": sources,
-        # Locations without the path, which the reading run spells its own way.
         "sharing": dict(
             dataclasses.asdict(tokenized.sharing),
             broken=[entry[len(path) + 1 :] for entry in tokenized.sharing.broken],
