@@ -470,6 +470,15 @@ def test_text_rl_trains_packed_as_dense(train, write_jsonl, chat_tokenizer_dir):
     assert abs(packed.grad_norm - dense.grad_norm) <= 1e-4 * dense.grad_norm
 
 
+def test_the_tiny_preset_leaves_the_vocabulary_to_a_text_tokenizer():
+    from megatron.shared_prefix.training.arguments import extra_args_provider
+
+    for argv, vocab_size in (([], 64), (["--tokenizer-type", "HuggingFaceTokenizer"], None)):
+        parser = extra_args_provider(argv)(argparse.ArgumentParser())
+        assert parser.get_default("vocab_size") == vocab_size
+        assert parser.get_default("hidden_size") == 128
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
