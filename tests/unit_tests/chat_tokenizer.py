@@ -1,9 +1,11 @@
-"""A small byte-level BPE tokenizer with a chat template, trained on the fly (no download).
+"""Small tokenizers with chat templates, trained on the fly (no download).
 
 ``save_chat_tokenizer(directory, template)`` trains a BPE model with the ``tokenizers`` package on a
 fixed English corpus, wraps it in transformers' ``PreTrainedTokenizerFast`` with the chat template
 and saves it, so that ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` loads it as it
-would load any Hugging Face tokenizer directory. Used by the text-data tests and
+would load any Hugging Face tokenizer directory. ``save_sentencepiece_model(path)`` trains a
+SentencePiece BPE model on the same corpus, for ``--tokenizer-type SentencePieceTokenizer
+--tokenizer-model FILE --chat-template ...``. Used by the text-data tests and
 tools/bench_text_loader.py.
 """
 
@@ -131,3 +133,23 @@ def save_chat_tokenizer(directory: str, template: str = CHATML, vocab_size: int 
     wrapped.chat_template = template
     wrapped.save_pretrained(directory)
     return directory
+
+
+def save_sentencepiece_model(path: str, vocab_size: int = 400) -> str:
+    """Train a SentencePiece BPE model (ChatML markers as single pieces), save it to ``path``."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_corpus()),
+        model_writer=model,
+        vocab_size=vocab_size,
+        user_defined_symbols=["<|im_start|>", "<|im_end|>"],
+        model_type="bpe",
+        minloglevel=2,
+    )
+    with open(path, "wb") as handle:
+        handle.write(model.getvalue())
+    return path

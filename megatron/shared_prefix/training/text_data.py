@@ -286,14 +286,6 @@ def _assistant_spans(
     return text, spans
 
 
-def _span_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """True for tokens whose characters overlap a span (the rule of ``assistant_masks``)."""
-    mask = np.zeros(len(offsets), dtype=bool)
-    for start, end in spans:
-        mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
-    return mask
-
-
 @dataclasses.dataclass
 class _Pending:
     """A record waiting for its texts to be tokenized.
@@ -316,7 +308,7 @@ def _chat_record(obj: dict, source: str, config: TextDataConfig) -> _Pending:
 
     def finish(encodings):
         ((tokens, offsets),) = encodings
-        mask = _span_mask(offsets, spans)
+        mask = config.tokenizer.span_mask(text, tokens, offsets, spans)
         if not mask.any():
             _fail(source, "no token of the assistant messages remains after tokenization")
         if mask[0]:

@@ -20,6 +20,7 @@ from chat_tokenizer import (
     LAST_ONLY,
     PLAIN_BLANK_LINES,
     save_chat_tokenizer,
+    save_sentencepiece_model,
 )
 
 from megatron.shared_prefix.training import text_data
@@ -477,6 +478,69 @@ def test_the_tiny_preset_leaves_the_vocabulary_to_a_text_tokenizer():
         parser = extra_args_provider(argv)(argparse.ArgumentParser())
         assert parser.get_default("vocab_size") == vocab_size
         assert parser.get_default("hidden_size") == 128
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory):
+    return save_sentencepiece_model(str(tmp_path_factory.mktemp("sentencepiece") / "sp.model"))
+
+
+def sentencepiece_tokenizer(model, template):
+    flags = tokenizer_flags(model)
+    flags.tokenizer_type = "SentencePieceTokenizer"
+    flags.chat_template = template
+    flags.tokenizer_sentencepiece_legacy = False
+    flags.tokenizer_sentencepiece_ignore_extra_whitespaces = True
+    return build_text_tokenizer(flags)
+
+
+@pytest.mark.parametrize("supervise", ["all-assistant", "last-assistant"])
+def test_sentencepiece_chats(sentencepiece_model, write_jsonl, supervise):
+    marked = sentencepiece_tokenizer(sentencepiece_model, CHATML_MARKED)
+    path = write_jsonl([{"messages": conversation()}])
+    (example,) = tokenized(path, marked, supervise).examples
+    (unmarked,) = tokenized(
+        path, sentencepiece_tokenizer(sentencepiece_model, CHATML), supervise
+    ).examples
+    # Tokens as megatron-core's own apply_chat_template gives them; both span methods agree.
+    assert example.tokens.tolist() == marked.megatron_tokenizer.apply_chat_template(
+        conversation(), tokenize=True
+    )
+    assert unmarked.tokens.tolist() == example.tokens.tolist()
+    assert unmarked.loss_mask.tolist() == example.loss_mask.tolist()
+    # Each supervised run decodes to an assistant message and its end of turn.
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], example.loss_mask.astype(int), [0]])))
+    runs = [
+        marked.megatron_tokenizer.detokenize(example.tokens[a:b].tolist())
+        for a, b in zip(edges[::2], edges[1::2])
+    ]
+    answers = [assistant for _, assistant in TURNS]
+    expected = answers if supervise == "all-assistant" else answers[-1:]
+    assert [run.replace("<|im_end|>", "").strip() for run in runs] == expected
+
+
+def test_sentencepiece_sft_trains_packed_as_dense(train, write_jsonl, sentencepiece_model):
+    flags = (
+        "--data-path",
+        write_jsonl(snapshots() + snapshots(" please")),
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        sentencepiece_model,
+        "--chat-template",
+        CHATML,
+        "--hybrid-layer-pattern",
+        "*-E",
+        "--train-iters",
+        "1",
+        "--global-batch-size",
+        "6",
+    )
+    (packed,), lines = train(*flags)
+    (dense,), _ = train(*flags, "--no-shared-prefix-packing")
+    assert packed.logical_tokens == dense.logical_tokens > 1.5 * packed.executed_tokens
+    assert abs(packed.loss - dense.loss) <= 1e-5 * abs(dense.loss)
+    assert any("4 share its tokens as a prefix" in line for line in lines)
 
 
 @pytest.mark.parametrize(
