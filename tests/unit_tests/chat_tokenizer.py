@@ -5,8 +5,10 @@ fixed English corpus, wraps it in transformers' ``PreTrainedTokenizerFast`` with
 and saves it, so that ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` loads it as it
 would load any Hugging Face tokenizer directory. ``save_sentencepiece_model(path)`` trains a
 SentencePiece BPE model on the same corpus, for ``--tokenizer-type SentencePieceTokenizer
---tokenizer-model FILE --chat-template ...``. Used by the text-data tests and
-tools/bench_text_loader.py.
+--tokenizer-model FILE --chat-template ...``; ``save_tiktoken_vocab(path, directory)`` writes the
+BPE model of a saved tokenizer directory as megatron-core's TikToken vocabulary file (a JSON list of
+``{rank, token_bytes, token_str}``, the 256 single bytes first, then one token per merge). Used by the
+text-data tests and tools/bench_text_loader.py.
 """
 
 from __future__ import annotations
@@ -153,3 +155,42 @@ def save_sentencepiece_model(path: str, vocab_size: int = 400) -> str:
     with open(path, "wb") as handle:
         handle.write(model.getvalue())
     return path
+
+
+def _byte_of_char() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for (GPT-2's mapping:
+    printable Latin-1 bytes are their own character, the others are shifted past 255)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[chr(byte)] = byte
+        else:
+            mapping[chr(256 + shifted)] = byte
+            shifted += 1
+    return mapping
+
+
+def save_tiktoken_vocab(path: str, directory: str) -> int:
+    """Write the byte-level BPE of ``directory`` as a TikToken vocabulary; returns its size."""
+    import base64
+    import json
+
+    with open(f"{directory}/tokenizer.json", encoding="utf-8") as handle:
+        merges = json.load(handle)["model"]["merges"]
+    byte_of = _byte_of_char()
+    tokens = [bytes([b]) for b in range(256)]
+    for merge in merges:
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        tokens.append(bytes(byte_of[c] for c in left + right))
+    vocab = [
+        {
+            "rank": rank,
+            "token_bytes": base64.b64encode(token).decode(),
+            "token_str": token.decode("utf-8", errors="replace"),
+        }
+        for rank, token in enumerate(tokens)
+    ]
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(vocab, handle)
+    return len(vocab)

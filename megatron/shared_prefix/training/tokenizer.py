@@ -22,14 +22,15 @@ Two kinds are supported:
   them (the tokenizer's special tokens are template variables), chats are tokenized as it
   tokenizes them (no special tokens added around the rendered text), and token offsets come from
   the Rust tokenizer;
-* ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer`` and ``Llama2Tokenizer`` with a local
-  ``.model`` file: templates (``--chat-template``) are rendered and tokenized as megatron-core's
-  own ``apply_chat_template`` does (``tokenize`` of the rendered text). SentencePiece normalizes
-  text, so there are no character offsets into it: the tokens before a span boundary are those
-  that the text before it tokenizes to, as far as they agree with the whole text's tokens.
+* ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer`` (a local
+  ``.model`` file) and ``TikTokenizer`` (megatron-core's TikToken vocabulary ``.json``): templates
+  (``--chat-template``) are rendered and tokenized as megatron-core's own ``apply_chat_template``
+  does (``tokenize`` of the rendered text). SentencePiece normalizes text, so there are no
+  character offsets into it: for both, the tokens before a span boundary are those that the text
+  before it tokenizes to, as far as they agree with the whole text's tokens.
 
 megatron-core's ``GPT2BPETokenizer`` and ``BertWordPiece*`` types resolve a hub model name even when
-given local vocabulary files, and ``TikTokenizer`` is not wired up, so they are refused.
+given local vocabulary files, so they are refused.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ __all__ = [
 
 # Megatron tokenizer types that read text records from local files only.
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TEXT_TOKENIZER_TYPES = ("HuggingFaceTokenizer",) + SENTENCEPIECE_TYPES
+TEXT_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer") + SENTENCEPIECE_TYPES
+# The Python package each tokenizer library needs besides transformers (chat templates).
+_PACKAGES = {"TikTokenizer": "tiktoken", **{kind: "sentencepiece" for kind in SENTENCEPIECE_TYPES}}
 
 # Files of a model directory that never influence tokenization (weights); everything else in the
 # directory of --tokenizer-model is part of the fingerprint.
@@ -78,6 +81,9 @@ _TOKENIZER_FLAGS = (
     "metadata_path",
     "tokenizer_sentencepiece_legacy",
     "tokenizer_sentencepiece_ignore_extra_whitespaces",
+    "tiktoken_pattern",
+    "tiktoken_num_special_tokens",
+    "vocab_size",
 )
 
 
@@ -158,7 +164,7 @@ class TextTokenizer:
                 _file_digest(path, digest)
         digest.update(f"chat_template={self.chat_template!r}\n".encode())
         digest.update(f"vocab_size={self.vocab_size}\n".encode())
-        for package in ("transformers", "tokenizers", "sentencepiece", "megatron-core"):
+        for package in ("transformers", "tokenizers", "sentencepiece", "tiktoken", "megatron-core"):
             digest.update(f"{package}=={_version(package)}\n".encode())
         return digest.hexdigest()
 
@@ -344,6 +350,26 @@ class HuggingFaceText(TextTokenizer):
         return mask
 
 
+def _check_tiktoken_vocab_size(args: argparse.Namespace) -> None:
+    """megatron-core's TikToken needs ``--vocab-size`` = vocabulary entries + special tokens."""
+    import json
+
+    try:
+        with open(args.tokenizer_model, encoding="utf-8") as handle:
+            entries = len(json.load(handle))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(
+            f"--tokenizer-model {args.tokenizer_model}: not a TikToken vocabulary ({exc})"
+        ) from None
+    expected = entries + args.tiktoken_num_special_tokens
+    if args.vocab_size != expected:
+        raise TokenizerError(
+            f"--tokenizer-type TikTokenizer: --vocab-size must be {expected} ({entries} entries of "
+            f"--tokenizer-model + --tiktoken-num-special-tokens {args.tiktoken_num_special_tokens})"
+            f", got {args.vocab_size}"
+        )
+
+
 def build_text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
     """The tokenizer of ``--tokenizer-type`` (megatron-core's ``build_tokenizer``) for text records.
 
@@ -360,11 +386,10 @@ def build_text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
             "NullTokenizer for token-id records only)"
         )
     model = args.tokenizer_model
-    what = (
-        "a local tokenizer directory: tokenizer.json, tokenizer_config.json"
-        if kind == "HuggingFaceTokenizer"
-        else "a local SentencePiece .model file"
-    )
+    what = {
+        "HuggingFaceTokenizer": "a local tokenizer directory: tokenizer.json, tokenizer_config.json",
+        "TikTokenizer": "megatron-core's TikToken vocabulary, a local .json file",
+    }.get(kind, "a local SentencePiece .model file")
     if not model:
         placeholder = "DIR" if kind == "HuggingFaceTokenizer" else "FILE"
         raise TokenizerError(
@@ -372,13 +397,14 @@ def build_text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
         )
     if not os.path.exists(model):
         raise TokenizerError(f"--tokenizer-model {model}: no such file or directory")
-    needed = ["transformers"] + (["sentencepiece"] if kind in SENTENCEPIECE_TYPES else [])
-    for package in needed:
+    for package in ["transformers"] + ([_PACKAGES[kind]] if kind in _PACKAGES else []):
         if importlib.util.find_spec(package) is None:
             raise TokenizerError(
                 f"--tokenizer-type {kind} needs the {package} package: pip install "
                 "'megatron-shared-prefix[text]'"
             )
+    if kind == "TikTokenizer":
+        _check_tiktoken_vocab_size(args)
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     try:

@@ -21,6 +21,7 @@ from chat_tokenizer import (
     PLAIN_BLANK_LINES,
     save_chat_tokenizer,
     save_sentencepiece_model,
+    save_tiktoken_vocab,
 )
 
 from megatron.shared_prefix.training import text_data
@@ -32,7 +33,7 @@ from megatron.shared_prefix.training.text_data import (
     load_text_dataset,
     tokenize_file,
 )
-from megatron.shared_prefix.training.tokenizer import build_text_tokenizer
+from megatron.shared_prefix.training.tokenizer import TokenizerError, build_text_tokenizer
 
 SYSTEM = {"role": "system", "content": "you are a good help"}
 TURNS = [
@@ -519,6 +520,51 @@ def test_sentencepiece_chats(sentencepiece_model, write_jsonl, supervise):
     assert [run.replace("<|im_end|>", "").strip() for run in runs] == expected
 
 
+TIKTOKEN_SPECIALS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
+TIKTOKEN_SPECIALS += ["<|im_start|>", "<|im_end|>"]
+
+
+def tiktoken_tokenizer(tmp_path, template, vocab_size=None):
+    directory = save_chat_tokenizer(str(tmp_path / "bpe"), template)
+    entries = save_tiktoken_vocab(str(tmp_path / "tiktoken.json"), directory)
+    flags = tokenizer_flags(str(tmp_path / "tiktoken.json"))
+    flags.tokenizer_type = "TikTokenizer"
+    flags.chat_template = template
+    flags.special_tokens = TIKTOKEN_SPECIALS
+    flags.tiktoken_pattern = "v2"
+    flags.tiktoken_num_special_tokens = 16
+    flags.vocab_size = vocab_size or entries + 16
+    return build_text_tokenizer(flags)
+
+
+@pytest.mark.parametrize("template", [CHATML, CHATML_MARKED_HEADER])
+def test_tiktoken_chats_match_the_offset_rule(tmp_path, write_jsonl, template):
+    tokenizer = tiktoken_tokenizer(tmp_path, template)
+    path = write_jsonl([{"messages": conversation()}])
+    (example,) = tokenized(path, tokenizer).examples
+    megatron = tokenizer.megatron_tokenizer
+    assert example.tokens.tolist() == megatron.apply_chat_template(conversation(), tokenize=True)
+    # TikToken is lossless, so its own offsets are exact: the prefix-tokenization rule must mark
+    # the tokens that overlap the assistant spans.
+    text = megatron.apply_chat_template(conversation(), tokenize=False)
+    starts = megatron.offsets(example.tokens.tolist(), text)
+    ends = starts[1:] + [len(text)]
+    spans = [(text.index(a), text.index(a) + len(a) + len("<|im_end|>\n")) for _, a in TURNS]
+    if template == CHATML_MARKED_HEADER:
+        header = len("<|im_start|>assistant\n")
+        spans = [(start - header, end) for start, end in spans]
+    expected = [
+        any(start < span_end and end > span_start for span_start, span_end in spans)
+        for start, end in zip(starts, ends)
+    ]
+    assert example.loss_mask.tolist() == expected and example.num_targets > 10
+
+
+def test_tiktoken_needs_its_vocabulary_size(tmp_path):
+    with pytest.raises(TokenizerError, match=r"--vocab-size must be \d+ \(\d+ entries"):
+        tiktoken_tokenizer(tmp_path, CHATML, vocab_size=100)
+
+
 def test_sentencepiece_sft_trains_packed_as_dense(train, write_jsonl, sentencepiece_model):
     flags = (
         "--data-path",
@@ -555,7 +601,7 @@ def test_sentencepiece_sft_trains_packed_as_dense(train, write_jsonl, sentencepi
             ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/nonexistent"),
             "--tokenizer-model /nonexistent: no such file or directory",
         ),
-        (("--tokenizer-type", "TikTokenizer"), "--tokenizer-type TikTokenizer: text records"),
+        (("--tokenizer-type", "BertWordPieceCase"), "--tokenizer-type BertWordPieceCase: text"),
     ],
 )
 def test_tokenizer_flags_are_named(train, flags, message):
