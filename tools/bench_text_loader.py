@@ -72,7 +72,8 @@ def _flags(directory: str) -> argparse.Namespace:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Generate the file, load it twice, print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     parser.add_argument("--conversations", type=int, default=100_000)
     parser.add_argument("--marked", action="store_true", help="template with generation markers")
     parser.add_argument("--supervise", default="all-assistant")

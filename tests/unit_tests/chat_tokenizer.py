@@ -6,9 +6,9 @@ and saves it, so that ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model 
 would load any Hugging Face tokenizer directory. ``save_sentencepiece_model(path)`` trains a
 SentencePiece BPE model on the same corpus, for ``--tokenizer-type SentencePieceTokenizer
 --tokenizer-model FILE --chat-template ...``; ``save_tiktoken_vocab(path, directory)`` writes the
-BPE model of a saved tokenizer directory as megatron-core's TikToken vocabulary file (a JSON list of
-``{rank, token_bytes, token_str}``, the 256 single bytes first, then one token per merge). Used by the
-text-data tests and tools/bench_text_loader.py.
+BPE model of a saved tokenizer directory as megatron-core's TikToken vocabulary file (a JSON list
+of ``{rank, token_bytes, token_str}``, the 256 single bytes first, then one token per merge). Used
+by the text-data tests and tools/bench_text_loader.py.
 """
 
 from __future__ import annotations

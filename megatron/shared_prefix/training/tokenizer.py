@@ -387,7 +387,7 @@ def build_text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
         )
     model = args.tokenizer_model
     what = {
-        "HuggingFaceTokenizer": "a local tokenizer directory: tokenizer.json, tokenizer_config.json",
+        "HuggingFaceTokenizer": "a local directory: tokenizer.json, tokenizer_config.json",
         "TikTokenizer": "megatron-core's TikToken vocabulary, a local .json file",
     }.get(kind, "a local SentencePiece .model file")
     if not model:
