@@ -1,11 +1,12 @@
-# Quick start: `make test` runs the test suite, `make train` trains the built-in tiny model.
+# Quick start: `make test` runs the test suite, `make train` trains the built-in tiny model,
+# `make test-gpu` runs the gpu-marked tests on a CUDA machine.
 # Both create .venv (Python >= 3.12, preferring 3.12, from PATH or pyenv) and install the project on first use.
 
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test train
+.PHONY: test test-gpu train
 
 $(PY):
 	@python=""; \
@@ -28,6 +29,10 @@ $(STAMP): $(PY) pyproject.toml
 
 test: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) -m pytest -q
+
+# The gpu-marked tests on a CUDA machine (torch.compile on, mamba_ssm autotuning off).
+test-gpu: $(STAMP)
+	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu
 
 train: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) pretrain_hybrid.py --shared-prefix-packing

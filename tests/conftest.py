@@ -2,9 +2,21 @@
 
 import os
 
-os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+import pytest
 
-import pytest  # noqa: E402
+
+def pytest_configure(config):
+    """Environment defaults, set before any test module imports torch (explicit settings win).
+
+    CPU runs disable torch.compile (an inductor build per process costs ~20 s and the CPU paths do
+    not compile). A GPU run (``-m gpu``) compiles FlexAttention, as training does, and skips
+    mamba_ssm's autotuning (``MAMBA_DETERMINISTIC=1``; minutes otherwise).
+    """
+    if "gpu" in (config.option.markexpr or "") and "not gpu" not in config.option.markexpr:
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "0")
+        os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
+    else:
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
 def pytest_collection_modifyitems(config, items):

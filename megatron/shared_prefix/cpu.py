@@ -10,14 +10,28 @@ megatron-core 0.19.2 assumes CUDA in a few places that a CPU run reaches (DESIGN
 * ``get_default_causal_mask`` allocates the causal mask on ``"cuda"``;
 * the CUDA RNG tracker forks CUDA generator state, and activation recompute saves and restores the
   CUDA generator;
+* megatron's DDP (``finish_grad_sync``) and the alltoall MoE dispatcher synchronize with
+  ``torch.cuda.current_stream()``, and the dispatcher creates a ``torch.cuda.Stream`` when it is
+  built and converts its split sizes to host numpy arrays only when they are CUDA tensors
+  (``moe_utils.maybe_move_tensor_to_cpu``), so on a CPU they stay tensors;
+* the pipeline schedules allocate their token counter with ``device="cuda"``, pipeline
+  communication calls ``torch.cuda.synchronize()``, and with pipeline parallelism and tied
+  embeddings ``LanguageModule.setup_embeddings_and_output_layer`` moves the last stage's copy of
+  the word embedding with ``.cuda()`` before synchronizing it;
+* megatron.training's ``validate_args`` asks for the GPU's architecture under tensor parallelism
+  (``get_device_arch_version``) and then requires ``CUDA_DEVICE_MAX_CONNECTIONS=1``;
 * ``MambaMixer`` binds mamba_ssm's ``RMSNorm``, ``mamba_chunk_scan_combined`` and
   ``mamba_split_conv1d_scan_combined`` when ``megatron.core.ssm.mamba_mixer`` is first imported.
 
-:func:`enable_cpu` handles the first three when CUDA is absent; :func:`install_mamba_ssm_fallback`
+:func:`enable_cpu` handles the first six when CUDA is absent (a host stream object stands in for
+every CUDA stream: on a CPU all work is already ordered); :func:`install_mamba_ssm_fallback`
 registers our pure-torch SSD implementation under mamba_ssm's module names when mamba_ssm cannot be
 imported (on any machine), and is called before this package first imports the Mamba mixer.
 """
 
+import contextlib
+import functools
+import os
 import sys
 import types
 
@@ -96,6 +110,84 @@ def _ignore_cuda_rng_state(*_args, **_kwargs) -> None:
     return None
 
 
+class _HostStream:
+    """Stands in for a CUDA stream on a CPU, where every operation already runs in order."""
+
+    def wait_stream(self, _other) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, _event) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, _event=None) -> "_HostStream":
+        """An event that is complete when recorded (this stream itself)."""
+        return self
+
+    def synchronize(self) -> None:
+        """Nothing is pending."""
+
+    def query(self) -> bool:
+        """All work is complete."""
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
+class _HostTorch:
+    """``torch`` as megatron's pipeline schedules see it on a CPU: a tensor they place on "cuda"
+    is placed on the host; everything else is torch itself."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        """torch.zeros, with ``device="cuda"`` meaning the host."""
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _no_device_work(*_args, **_kwargs) -> None:
+    return None
+
+
+def _no_device_architecture() -> int:
+    """No CUDA architecture: megatron.training's pre-Blackwell rules apply."""
+    return 0
+
+
+def _on_host(method):
+    """``method`` with ``Tensor.cuda()`` returning the tensor itself while it runs."""
+
+    @functools.wraps(method)
+    def run_on_host(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *_a, **_k: tensor
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return run_on_host
+
+
+def _host_stream(*_args, **_kwargs) -> _HostStream:
+    return _HOST_STREAM
+
+
+def _host_stream_context(_stream) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` that also turns host tensors into numpy arrays."""
+    del record_stream
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
 def enable_cpu() -> bool:
     """Let megatron-core's HybridModel (M, *, -, E layers) build and train on CPU.
 
@@ -112,8 +204,12 @@ def enable_cpu() -> bool:
         return True
 
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.training import arguments as training_arguments
 
     torch.cuda.current_device = _cpu_current_device
     transformer_utils.get_default_causal_mask = _cpu_causal_mask
@@ -124,5 +220,17 @@ def enable_cpu() -> bool:
     # Recompute saves/restores the CPU generator itself; there is no CUDA generator to keep.
     tp_random._get_cuda_rng_state = _no_cuda_rng_state  # pylint: disable=protected-access
     tp_random._set_cuda_rng_state = _ignore_cuda_rng_state  # pylint: disable=protected-access
+    torch.cuda.current_stream = _host_stream
+    torch.cuda.synchronize = _no_device_work
+    schedules.torch = _HostTorch()
+    LanguageModule.setup_embeddings_and_output_layer = _on_host(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
+    torch.cuda.stream = _host_stream_context
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HOST_STREAM
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    training_arguments.get_device_arch_version = _no_device_architecture
+    # Megatron requires it with tensor parallelism before Blackwell; without CUDA it means nothing.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _cpu_enabled = True
     return True

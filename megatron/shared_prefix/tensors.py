@@ -137,6 +137,57 @@ class ForestTensors:
             self._derived[key] = build()
         return self._derived[key]
 
+    def sequence_parallel_tokens(self, size: int, rank: int) -> slice:
+        """The tokens that sequence-parallel rank ``rank`` of ``size`` holds: its ``T / size``.
+
+        megatron splits the sequence dimension into ``size`` equal contiguous chunks outside
+        attention and Mamba; a forest row is split the same way (``T`` must be a multiple of
+        ``size``, which the planner's ``pad_multiple`` provides).
+        """
+        if self.num_tokens % size:
+            raise ValueError(
+                f"a forest row of {self.num_tokens} tokens cannot be split over {size} "
+                "sequence-parallel ranks (plan with pad_multiple a multiple of the tensor "
+                "parallel size)"
+            )
+        chunk = self.num_tokens // size
+        return slice(rank * chunk, (rank + 1) * chunk)
+
+    def edge_projection(self, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which hidden states a sequence-parallel rank projects to the vocabulary, and where each
+        edge finds its logits.
+
+        Every rank holds ``T / size`` tokens and selects its own distinct edge sources, padded to
+        the largest count ``U_max`` of any rank (with its first token, whose logits no edge
+        reads), so that the output layer's sequence-parallel all-gather stacks ``size`` equal
+        blocks: rank ``q``'s ``k``-th source lands at row ``q * U_max + k``.
+
+        Returns:
+            ([U_max] int64 local token index of this rank's sources, [E] int64 row of each edge's
+            source in the gathered ``[size * U_max]`` block). With ``size`` 1: the distinct
+            sources and ``edge_source_slot``.
+        """
+        return self.derive(("edge_projection", size, rank), lambda: self._projection(size, rank))
+
+    def _projection(self, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if size == 1:
+            return self.edge_unique_source, self.edge_source_slot
+        chunk = self.sequence_parallel_tokens(size, 0).stop
+        sources = self.edge_unique_source.cpu().numpy()
+        owner = sources // chunk
+        counts = np.bincount(owner, minlength=size)
+        width = max(int(counts.max(initial=0)), 1)
+        position = np.arange(len(sources)) - np.concatenate([[0], np.cumsum(counts)[:-1]])[owner]
+        slot_of_source = owner * width + position
+        local = np.zeros(width, dtype=np.int64)
+        mine = owner == rank
+        local[: int(mine.sum())] = sources[mine] - rank * chunk
+        slots = slot_of_source[self.edge_source_slot.cpu().numpy()]
+        return (
+            torch.as_tensor(local, device=self.device),
+            torch.as_tensor(slots, dtype=torch.int64, device=self.device),
+        )
+
     def attention_key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
         """Keys visible to each block of ``block_size`` consecutive queries.
 

@@ -11,6 +11,14 @@ forest in scope every method is megatron-core's TopKRouter. With a forest in sco
   token by its multiplicity, so their values and gradients are those of the dense micro-batch
   holding the row's sequences (see :class:`TreeTopKRouter` for that reference).
 
+Under sequence parallelism (required by megatron-core for MoE with tensor parallelism) each
+tensor-parallel rank routes its ``T / tp`` tokens of the row (``ForestTensors
+.sequence_parallel_tokens``): its statistics weight those tokens by their multiplicities, counts are
+reduced over the tensor-parallel group as megatron-core reduces them, and every normalizer uses the
+dense token count of the whole row, so the sum over ranks is the dense statistic. Multiplicities
+are not needed after routing (expert computation is token-wise), so they do not travel with the
+tokens through dispatch.
+
 The forest forward never runs MTP layers, so the forest paths need no MTP bookkeeping.
 """
 
@@ -95,7 +103,8 @@ class TreeTopKRouter(TopKRouter):
             )
 
     def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """TopKRouter.forward; on a forest, ``input`` is the packed row [T, 1, hidden]."""
+        """TopKRouter.forward; on a forest, ``input`` is the packed row [T, 1, hidden] (this
+        rank's [T / tp, 1, hidden] under sequence parallelism)."""
         forest = current_forest()
         if forest is not None:
             self._check_forest_input(forest, input, padding_mask)
@@ -110,15 +119,35 @@ class TreeTopKRouter(TopKRouter):
         errors = moe_forest_errors(self.config)
         if padding_mask is not None:
             errors.append("padding_mask given (the forest's multiplicities mark padding)")
-        if self.tp_cp_group.size() > 1:
-            errors.append("tensor/context parallel router (each rank would see part of the row)")
-        if math.prod(router_input.shape[:-1]) != forest.num_tokens:
+        if self.tp_group.size() > 1 and not self.config.sequence_parallel:
             errors.append(
-                f"router input holds {math.prod(router_input.shape[:-1])} tokens, the forest "
-                f"{forest.num_tokens}"
+                f"tensor parallel size {self.tp_group.size()} without sequence_parallel (every "
+                "rank would count the whole row)"
+            )
+        local = self._local_tokens(forest)
+        if math.prod(router_input.shape[:-1]) != local.stop - local.start:
+            errors.append(
+                f"router input holds {math.prod(router_input.shape[:-1])} tokens, this rank's "
+                f"share of the forest {local.stop - local.start}"
             )
         if errors:
             raise ValueError("TreeTopKRouter cannot route this forest: " + "; ".join(errors))
+
+    def _local_tokens(self, forest: ForestTensors) -> slice:
+        """The packed tokens this rank routes: the whole row, or its sequence-parallel share."""
+        if self.config.sequence_parallel and self.tp_group.size() > 1:
+            return forest.sequence_parallel_tokens(self.tp_group.size(), self.tp_group.rank())
+        return slice(0, forest.num_tokens)
+
+    def _local_multiplicity(self, forest: ForestTensors, tables: ForestRoutingTables):
+        """[T_local] int64 multiplicities of the tokens this rank routes."""
+        return tables.multiplicity[self._local_tokens(forest)]
+
+    def _local_dense_tokens(self, tables: ForestRoutingTables) -> float:
+        """This rank's share of the row's dense tokens, ``N / (tp * cp)``: what megatron-core's
+        normalizations call the local token count (their products with the group size are
+        ``N``)."""
+        return tables.num_dense_tokens / self.tp_cp_group.size()
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """Router logits [..., E]; on a forest computed in fixed-size row blocks.
@@ -145,15 +174,13 @@ class TreeTopKRouter(TopKRouter):
         tables = forest_routing_tables(forest)
         coeff = self.config.moe_z_loss_coeff / self.tp_cp_group.size()
         squared = torch.logsumexp(logits, dim=-1).square()
-        z_loss = (
-            (squared * tables.multiplicity.to(squared.dtype)).sum()
-            / tables.num_dense_tokens
-            * coeff
-        )
+        multiplicity = self._local_multiplicity(forest, tables)
+        local_tokens = self._local_dense_tokens(tables)
+        z_loss = (squared * multiplicity.to(squared.dtype)).sum() / local_tokens * coeff
         if self.calculate_per_token_loss:
             # As TopKRouter: cancel the per-token normalisation of finalize_model_grads.
             logits = MoEAuxLossAutoScaler.apply(
-                logits, z_loss * tables.num_dense_tokens * self.tp_cp_group.size()
+                logits, z_loss * local_tokens * self.tp_cp_group.size()
             )
         else:
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
@@ -163,19 +190,21 @@ class TreeTopKRouter(TopKRouter):
         )
         return logits
 
-    def _dense_counts(self, routing_map: torch.Tensor, tables: ForestRoutingTables, group):
+    def _dense_counts(self, routing_map: torch.Tensor, multiplicity: torch.Tensor, group):
         """Dense per-expert counts [E] int64 of ``routing_map`` summed over ``group``, and the
         group's dense token count (a float tensor, as megatron-core computes it for padded batches).
         """
         counts = reduce_from_tensor_model_parallel_region(
-            weighted_expert_counts(routing_map, tables.multiplicity), group
+            weighted_expert_counts(routing_map, multiplicity), group
         )
         return counts, counts.sum() / self.topk
 
-    def _weighted_switch_loss(self, scores, tables, tokens_per_expert, total_num_tokens, coeff):
+    def _weighted_switch_loss(
+        self, scores, multiplicity, tokens_per_expert, total_num_tokens, coeff
+    ):
         """megatron-core's switch load-balancing loss with ``P_e = sum_t m_t * scores[t, e]``."""
         return switch_load_balancing_loss_func(
-            probs=scores * tables.multiplicity.unsqueeze(-1).to(scores.dtype),
+            probs=scores * multiplicity.unsqueeze(-1).to(scores.dtype),
             tokens_per_expert=tokens_per_expert,
             total_num_tokens=total_num_tokens,
             topk=self.topk,
@@ -195,11 +224,12 @@ class TreeTopKRouter(TopKRouter):
         if coeff == 0:
             return probs
         tables = forest_routing_tables(forest)
+        multiplicity = self._local_multiplicity(forest, tables)
         tokens_per_expert, total_num_tokens = self._dense_counts(
-            routing_map, tables, self.tp_cp_group
+            routing_map, multiplicity, self.tp_cp_group
         )
         aux_loss = self._weighted_switch_loss(
-            scores_for_aux_loss, tables, tokens_per_expert, total_num_tokens, coeff
+            scores_for_aux_loss, multiplicity, tokens_per_expert, total_num_tokens, coeff
         )
         return self.attach_and_log_load_balancing_loss(
             probs,
@@ -207,7 +237,7 @@ class TreeTopKRouter(TopKRouter):
             aux_loss,
             "load_balancing_loss",
             self.tp_cp_group,
-            valid_token_count=tables.num_dense_tokens,
+            valid_token_count=self._local_dense_tokens(tables),
         )
 
     def _apply_seq_aux_loss(
@@ -216,7 +246,9 @@ class TreeTopKRouter(TopKRouter):
         """Attach seq_aux_loss; on a forest per original sequence (see the class docstring).
 
         ``sum_i sum_e P_ie * c_ie = sum_t sum_e scores[t, e] * G[t, e]`` with ``G[t, e]`` the sum of
-        ``c_ie`` over the sequences through token ``t``; ``G`` is exact (int64).
+        ``c_ie`` over the sequences through token ``t``; ``G`` is exact (int64). Under sequence
+        parallelism ``c_ie`` sums every rank's tokens (reduced over the group, as megatron-core
+        reduces per-sequence counts) and each rank adds its own tokens' ``scores * G``.
         """
         forest = current_forest()
         if forest is None:
@@ -227,7 +259,14 @@ class TreeTopKRouter(TopKRouter):
         if coeff == 0:
             return probs
         tables = forest_routing_tables(forest)
-        per_token = tables.sum_over_sequences_through(tables.sequence_counts(routing_map))
+        local = self._local_tokens(forest)
+        row_map = routing_map.to(torch.int64)
+        if local.stop - local.start != forest.num_tokens:
+            row_map = F.pad(row_map, (0, 0, local.start, forest.num_tokens - local.stop))
+        sequence_counts = reduce_from_tensor_model_parallel_region(
+            tables.sequence_counts(row_map), self.tp_cp_group
+        )
+        per_token = tables.sum_over_sequences_through(sequence_counts)[local]
         n, total = tables.num_sequences, tables.num_dense_tokens
         aux_loss = (scores_for_aux_loss * per_token.to(scores_for_aux_loss.dtype)).sum() * (
             self.num_experts * coeff * n / (self.topk * total * total)
@@ -238,7 +277,7 @@ class TreeTopKRouter(TopKRouter):
             aux_loss,
             "seq_load_balancing_loss",
             self.tp_cp_group,
-            valid_token_count=total,
+            valid_token_count=self._local_dense_tokens(tables),
         )
 
     def _apply_global_aux_loss(
@@ -254,14 +293,15 @@ class TreeTopKRouter(TopKRouter):
         if coeff == 0:
             return probs
         tables = forest_routing_tables(forest)
+        multiplicity = self._local_multiplicity(forest, tables)
         tokens_per_expert, total_num_tokens = self._dense_counts(
-            routing_map, tables, self.tp_dp_cp_group
+            routing_map, multiplicity, self.tp_dp_cp_group
         )
         self.global_tokens_per_expert += tokens_per_expert
         self.ga_steps += 1
         aux_loss = self._weighted_switch_loss(
             scores_for_aux_loss,
-            tables,
+            multiplicity,
             self.global_tokens_per_expert / self.ga_steps,
             total_num_tokens,
             coeff,
@@ -273,7 +313,7 @@ class TreeTopKRouter(TopKRouter):
             "global_load_balancing_loss",
             self.tp_dp_cp_group,
             needs_dp_avg=False,
-            valid_token_count=tables.num_dense_tokens,
+            valid_token_count=self._local_dense_tokens(tables),
         )
 
     def _apply_expert_bias(
@@ -290,4 +330,5 @@ class TreeTopKRouter(TopKRouter):
         elif self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 weights = forest_routing_tables(forest).count_weights(self.count_padding)
+                weights = weights[self._local_tokens(forest)]
                 self.local_tokens_per_expert += weighted_expert_counts(routing_map, weights)

@@ -85,10 +85,15 @@ class TreeMambaMixer(MambaMixer):
             errors.append("packed_seq_params (the forest defines the segments)")
         if self.cp.cp_size != 1:
             errors.append(f"context parallel size {self.cp.cp_size} (must be 1)")
-        if hidden_states.dim() != 3 or hidden_states.shape[:2] != (forest.num_tokens, 1):
+        # Under sequence parallelism the mixer gets this rank's T / tp tokens; in_proj gathers the
+        # row and out_proj scatters it again, so the scan always sees the whole row.
+        tokens = forest.num_tokens // (
+            self.pg_collection.tp.size() if self.config.sequence_parallel else 1
+        )
+        if hidden_states.dim() != 3 or hidden_states.shape[:2] != (tokens, 1):
             errors.append(
                 f"hidden_states of shape {tuple(hidden_states.shape)} "
-                f"(expected [T={forest.num_tokens}, 1, hidden])"
+                f"(expected [{tokens}, 1, hidden] for a row of T={forest.num_tokens} tokens)"
             )
         if errors:
             raise ValueError("TreeMambaMixer cannot run this forest forward: " + "; ".join(errors))

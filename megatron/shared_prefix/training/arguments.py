@@ -217,6 +217,21 @@ def extra_args_provider(argv: Sequence[str]):
     return functools.partial(add_shared_prefix_args, preset=_preset(argv))
 
 
+def apply_pipeline_defaults(args: argparse.Namespace) -> None:
+    """Settings a pipeline of forest rows needs, after Megatron's ``validate_args``.
+
+    Packed rows differ in length, so with ``--pipeline-model-parallel-size`` > 1 the schedule
+    must send each micro-batch's shape (``variable_seq_lengths``, which ``validate_args`` always
+    resets). megatron-core rejects variable lengths with the allgather MoE dispatcher even in a
+    model without experts, so such a model is given the (unused) alltoall dispatcher; with experts
+    the choice stays the user's and an allgather one is rejected by RunConfig.
+    """
+    if args.shared_prefix_packing and args.pipeline_model_parallel_size > 1:
+        args.variable_seq_lengths = True
+        if not args.num_experts:
+            args.moe_token_dispatcher_type = "alltoall"
+
+
 def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     """Parse and validate ``argv`` as Megatron does, without touching Megatron's global state.
 
@@ -226,9 +241,13 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     """
     from megatron.training.arguments import validate_args
 
+    from megatron.shared_prefix.cpu import enable_cpu
+
+    enable_cpu()
     argv = list(argv)
     args = _megatron_parser(_preset(argv)).parse_args(argv)
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
     validate_args(args)
+    apply_pipeline_defaults(args)
     return args

@@ -108,10 +108,16 @@ class StepBatch:
 
 
 def _packed(
-    examples: Sequence[Example], capacity: int, normalization: LossNormalization
+    examples: Sequence[Example],
+    capacity: int,
+    normalization: LossNormalization,
+    pad_multiple: int,
 ) -> StepBatch:
     plan = plan_shared_prefix(
-        [e.tokens for e in examples], [e.loss_mask for e in examples], capacity=capacity
+        [e.tokens for e in examples],
+        [e.loss_mask for e in examples],
+        capacity=capacity,
+        pad_multiple=pad_multiple,
     )
     rows = tuple(
         PackedRow(
@@ -171,19 +177,24 @@ def build_step_batch(
     capacity: int,
     micro_batch_size: int,
     normalization: LossNormalization,
+    pad_multiple: int = 1,
 ) -> StepBatch:
-    """Micro-batches of one step: planned rows of at most ``capacity`` tokens, or dense batches of
-    ``micro_batch_size`` examples."""
+    """Micro-batches of one step: planned rows of at most ``capacity`` tokens, each padded to a
+    multiple of ``pad_multiple`` (sequence parallelism splits a row into equal chunks), or dense
+    batches of ``micro_batch_size`` examples."""
     if packing:
-        return _packed(examples, capacity, normalization)
+        return _packed(examples, capacity, normalization, pad_multiple)
     return _dense(examples, micro_batch_size, normalization)
 
 
-def empty_row() -> PackedRow:
-    """A one-token row with no loss edge: a micro-batch that contributes exactly nothing.
+def empty_row(pad_multiple: int = 1) -> PackedRow:
+    """A one-token row (padded to ``pad_multiple`` tokens) with no loss edge: a micro-batch that
+    contributes exactly nothing.
 
     Used to give every step the same number of micro-batches under megatron.training; it still runs
     forward and backward, so gradient hooks fire and collectives match across ranks.
     """
-    layout = plan_shared_prefix([[0]], [[False]], capacity=1).rows[0]
+    layout = plan_shared_prefix(
+        [[0]], [[False]], capacity=pad_multiple, pad_multiple=pad_multiple
+    ).rows[0]
     return PackedRow(layout=layout, coefficients=np.zeros(0, dtype=np.float32), units=0)

@@ -104,6 +104,9 @@ class BatchConfig:
         capacity: tokens per packed row (``--shared-prefix-capacity``).
         normalization: loss normalization (``--shared-prefix-loss-normalization``).
         data_parallel_size: data-parallel replicas sharing each global batch.
+        pad_multiple: every packed row's length is a multiple of it: the tensor-parallel size
+            under ``--sequence-parallel`` (a row splits into equal chunks), the capacity for the
+            allgather MoE dispatcher under expert parallelism (it stacks equal-length rows).
     """
 
     global_batch_size: int
@@ -112,6 +115,7 @@ class BatchConfig:
     capacity: int
     normalization: LossNormalization
     data_parallel_size: int = 1
+    pad_multiple: int = 1
 
     def __post_init__(self):
         _require(
@@ -123,6 +127,12 @@ class BatchConfig:
             f"--micro-batch-size must be >= 1, got {self.micro_batch_size}",
         )
         _require(self.capacity >= 1, f"--shared-prefix-capacity must be >= 1, got {self.capacity}")
+        _require(
+            self.capacity % self.pad_multiple == 0,
+            f"--shared-prefix-capacity {self.capacity} must be a multiple of "
+            f"{self.pad_multiple} (the tensor-parallel size under --sequence-parallel: every row "
+            "splits into equal chunks)",
+        )
         per_step = self.micro_batch_size * self.data_parallel_size
         _require(
             self.global_batch_size % per_step == 0,
@@ -231,10 +241,7 @@ class CheckpointConfig:
 
 # Megatron flags whose non-default values the single-process loop cannot honour -> the value needed.
 LOOP_UNSUPPORTED = {
-    "tensor_model_parallel_size": 1,
-    "pipeline_model_parallel_size": 1,
     "context_parallel_size": 1,
-    "expert_model_parallel_size": 1,
     "fp16": False,
     "bf16": False,
     "optimizer": "adam",
@@ -303,6 +310,7 @@ class RunConfig:
                 capacity=capacity,
                 normalization=LossNormalization(args.shared_prefix_loss_normalization),
                 data_parallel_size=data_parallel_size,
+                pad_multiple=row_pad_multiple(args, capacity),
             ),
             schedule=(
                 ScheduleConfig(
@@ -340,6 +348,16 @@ class RunConfig:
                 check_finite=args.check_for_nan_in_loss_and_grad,
             ),
         )
+
+
+def row_pad_multiple(args: argparse.Namespace, capacity: int) -> int:
+    """The multiple every packed row's length is rounded to (BatchConfig.pad_multiple)."""
+    if args.num_experts and args.expert_model_parallel_size > 1:
+        if args.moe_token_dispatcher_type == "allgather":
+            return capacity
+    if args.sequence_parallel and args.tensor_model_parallel_size > 1:
+        return args.tensor_model_parallel_size
+    return 1
 
 
 def _text_config(args: argparse.Namespace, data_parallel_size: int) -> Optional[TextDataConfig]:
@@ -396,20 +414,29 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
                 f"{_flag(name)} {getattr(args, name)}: must be 0 with --shared-prefix-packing "
                 "(sequences sharing a packed token would share its dropout mask)",
             )
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-        ):
-            _require(
-                getattr(args, name) == 1,
-                f"{_flag(name)} {getattr(args, name)}: shared-prefix packing supports only 1",
-            )
+        _require(
+            args.context_parallel_size == 1,
+            f"--context-parallel-size {args.context_parallel_size}: shared-prefix packing "
+            "supports only 1",
+        )
+        _require(
+            not (args.num_experts and args.tensor_model_parallel_size > 1)
+            or args.sequence_parallel,
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} with MoE layers "
+            "needs --sequence-parallel (as megatron-core requires)",
+        )
+        _require(
+            args.pipeline_model_parallel_size == 1 or args.moe_token_dispatcher_type != "allgather",
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with "
+            "--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not "
+            "support the variable row lengths a pipeline of forest rows needs; use alltoall",
+        )
     if trainer == "loop":
         _require(
-            args.world_size == 1,
-            f"WORLD_SIZE={args.world_size}: the single-process loop runs one process "
-            "(launch with torchrun and --shared-prefix-trainer megatron)",
+            args.world_size == 1 or (args.save is None and args.load is None),
+            f"--save/--load with WORLD_SIZE={args.world_size}: the loop's checkpoints hold one "
+            "process's whole model; a multi-process loop run cannot save or resume yet (train "
+            "through megatron.training on CUDA for distributed checkpoints)",
         )
         for name, needed in LOOP_UNSUPPORTED.items():
             value = getattr(args, name)

@@ -1,12 +1,33 @@
-"""A one-process torch.distributed world with megatron-core's parallel state, for one device.
+"""torch.distributed worlds with megatron-core's parallel state, for code outside megatron.training.
 
-The single-process trainer, the tests and the benchmarks build megatron-core modules outside
-``megatron.training`` (which initializes its own world); they share this set-up.
+megatron.training initializes its own world (``pretrain``). The single-process trainer, the tests,
+the benchmarks and multi-process jobs launched with ``torchrun`` build megatron-core modules without
+it; they share these two set-ups:
+
+* :func:`init_single_process`: world size 1 (TP = PP = 1), e.g. inside a pytest process;
+* :func:`init_parallel`: the world ``torchrun`` describes (``RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``), gloo on CPU and NCCL on CUDA, with the tensor, pipeline,
+  expert and context parallel sizes given; data parallelism takes the remaining factor of the world
+  size, as in megatron.training.
 """
 
+import datetime
+import os
 import socket
+from typing import Optional
 
 import torch
+
+
+def _prepare_device(device: torch.device, seed: int) -> None:
+    from megatron.core import tensor_parallel
+
+    from megatron.shared_prefix.cpu import enable_cpu
+
+    if device.type == "cpu":
+        enable_cpu()
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def init_single_process(device: torch.device | str, seed: int = 0) -> None:
@@ -17,13 +38,11 @@ def init_single_process(device: torch.device | str, seed: int = 0) -> None:
     built.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron.shared_prefix.cpu import enable_cpu
+    from megatron.core import parallel_state
 
     device = torch.device(device)
     if device.type == "cpu":
-        enable_cpu()
+        _prepare_device(device, seed)
     if not dist.is_initialized():
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -37,4 +56,96 @@ def init_single_process(device: torch.device | str, seed: int = 0) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     if device.type == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        _prepare_device(device, seed)
+
+
+def init_parallel(
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
+    device: Optional[torch.device | str] = None,
+    seed: int = 0,
+    timeout_minutes: int = 10,
+) -> torch.device:
+    """Join the ``torchrun`` world and (re)initialize megatron-core's parallel state for a layout.
+
+    Args:
+        tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size,
+            context_parallel_size, expert_tensor_parallel_size: megatron's parallel sizes; their
+            product with the data-parallel size is the world size (checked here, naming the
+            sizes, before any group is created).
+        device: where this rank computes; default ``cuda:LOCAL_RANK`` when CUDA is available,
+            else the CPU.
+        seed: seeds megatron's CUDA RNG tracker on CUDA (the CPU path uses torch's generator).
+        timeout_minutes: collective timeout of the process group.
+
+    Returns:
+        The rank's device.
+
+    The process group is created once (gloo on CPU, NCCL on CUDA, from torchrun's environment; a
+    plain process outside torchrun becomes a world of one). Calling again with other sizes
+    destroys megatron's parallel state and builds the new layout on the same world, so one job
+    can run cases at several layouts (the multi-process tests do).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if device is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_initialized():
+        world_size = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    model_parallel *= context_parallel_size
+    sizes = (
+        f"tensor_model_parallel_size={tensor_model_parallel_size} x "
+        f"pipeline_model_parallel_size={pipeline_model_parallel_size} x "
+        f"context_parallel_size={context_parallel_size}"
+    )
+    if min(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size) < 1:
+        raise ValueError(f"init_parallel: every parallel size must be >= 1, got {sizes}")
+    if world_size % model_parallel:
+        raise ValueError(f"init_parallel: {sizes} does not divide the world size {world_size}")
+    data_parallel = world_size // model_parallel
+    expert_tp = expert_tensor_parallel_size or tensor_model_parallel_size
+    if expert_model_parallel_size < 1 or (
+        (data_parallel * context_parallel_size * tensor_model_parallel_size)
+        % (expert_model_parallel_size * expert_tp)
+    ):
+        raise ValueError(
+            f"init_parallel: expert_model_parallel_size={expert_model_parallel_size} x "
+            f"expert_tensor_parallel_size={expert_tp} must divide the ranks of one pipeline stage "
+            f"({world_size // pipeline_model_parallel_size})"
+        )
+    if device.type == "cpu":
+        _prepare_device(device, seed)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(
+                backend="nccl" if device.type == "cuda" else "gloo",
+                rank=int(os.environ.get("RANK", "0")),
+                world_size=world_size,
+                timeout=datetime.timedelta(minutes=timeout_minutes),
+            )
+        else:
+            init_single_process(device, seed)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    if device.type == "cuda":
+        _prepare_device(device, seed)
+    return device

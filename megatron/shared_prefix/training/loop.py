@@ -1,7 +1,9 @@
-"""The single-process training loop: megatron.training's model, data and loss, without CUDA.
+"""The training loop: megatron.training's model, data and loss, without CUDA.
 
 pretrain_hybrid.py uses it where megatron.training cannot run (no CUDA), or when asked to with
-``--shared-prefix-trainer loop``. One iteration:
+``--shared-prefix-trainer loop``. It runs as one process, or under torchrun with Megatron's
+parallel flags (tensor, sequence, expert, data and pipeline parallelism on gloo; see
+``parallel.py``). One iteration:
 
 1. take the next global batch of examples (``ExampleStream``, positioned by consumed examples);
 2. turn it into micro-batches: packed rows, or dense padded batches (``build_step_batch``);
@@ -39,6 +41,11 @@ from megatron.shared_prefix.training.model import (
     forward_micro_batch,
     transformer_config,
     weighted_loss_sum,
+)
+from megatron.shared_prefix.training.parallel import (
+    ParallelLayout,
+    ParallelStepper,
+    build_parallel_model,
 )
 
 __all__ = ["run", "train_step", "build_optimizer", "build_scheduler", "model_signature"]
@@ -153,7 +160,12 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
     the first optimizer step.
     """
     args = parse_arguments(argv)
-    config = RunConfig.from_args(args, trainer="loop")
+    layout = ParallelLayout.from_args(args)
+    config = RunConfig.from_args(
+        args, trainer="loop", data_parallel_size=layout.data_parallel_size(args.world_size)
+    )
+    if args.rank != args.world_size - 1:
+        log = _quiet
     dataset = config.data.load(log)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
@@ -167,8 +179,15 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
             f"cpu, {torch.get_num_threads()} thread(s) (OMP_NUM_THREADS sets it; "
             "megatron.training needs CUDA)"
         )
+    processes = "single-process loop"
+    if args.world_size > 1:
+        processes = (
+            f"loop of {args.world_size} processes (TP {layout.tensor}"
+            f"{' + SP' if layout.sequence_parallel else ''}, PP {layout.pipeline}, EP "
+            f"{layout.expert}, DP {config.batch.data_parallel_size})"
+        )
     log(
-        f"[shared-prefix] trainer: single-process loop on {where}"
+        f"[shared-prefix] trainer: {processes} on {where}"
         f" | packing: {'on' if config.batch.packing else 'off (dense)'}"
         f" | loss normalization: {config.batch.normalization.value}"
     )
@@ -182,13 +201,24 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         torch.set_num_threads(threads)
 
 
+def _quiet(_line: str) -> None:
+    """The log of every rank but the last: the last one reports for the world."""
+
+
 class _Trainer:
     """Model, optimizer and scheduler of one run, and the loop over its global batches."""
 
     def __init__(self, args, config: RunConfig, device: torch.device, log: Callable[[str], None]):
-        init_single_process(device, args.seed)
-        torch.manual_seed(args.seed)
-        self.model = build_model(args, transformer_config(args, portable=True)).to(device)
+        self.stepper = None
+        # The last rank (last pipeline stage) reports for the world.
+        self.reporting = args.rank == args.world_size - 1
+        if args.world_size > 1:
+            self.model, device = build_parallel_model(args, ParallelLayout.from_args(args))
+            self.stepper = ParallelStepper(self.model, config.batch, device)
+        else:
+            init_single_process(device, args.seed)
+            torch.manual_seed(args.seed)
+            self.model = build_model(args, transformer_config(args, portable=True)).to(device)
         self.optimizer = build_optimizer(self.model, config.schedule)
         self.scheduler = build_scheduler(
             self.optimizer, config.schedule, config.batch.global_batch_size
@@ -229,9 +259,11 @@ class _Trainer:
         logging = self.config.logging
         writer = MetricsWriter(
             log_interval=logging.log_interval,
-            jsonl_path=logging.metrics_jsonl,
+            jsonl_path=logging.metrics_jsonl if self.reporting else None,
             append=position.iteration > 0,
-            tensorboard=open_tensorboard(logging.tensorboard_dir, self.log),
+            tensorboard=(
+                open_tensorboard(logging.tensorboard_dir, self.log) if self.reporting else None
+            ),
             log=self.log,
         )
         history: list[StepMetrics] = []
@@ -241,22 +273,18 @@ class _Trainer:
             for iteration in range(position.iteration + 1, self.config.schedule.train_iters + 1):
                 step_start = time.perf_counter()
                 examples = stream.global_batch(position.consumed_samples)
-                step, loss, grad_norm = self._step(iteration, examples)
+                totals, grad_norm = self._step(iteration, examples)
                 position = TrainingPosition(iteration, position.consumed_samples + len(examples))
                 now = time.perf_counter()
                 metrics = StepMetrics(
                     iteration=iteration,
                     train_iters=self.config.schedule.train_iters,
                     consumed_samples=position.consumed_samples,
-                    loss=loss,
                     grad_norm=grad_norm,
                     learning_rate=self.optimizer.param_groups[0]["lr"],
-                    logical_tokens=step.logical_tokens,
-                    executed_tokens=step.executed_tokens,
-                    loss_tokens=step.loss_tokens,
-                    micro_batches=len(step.micro_batches),
                     step_time_s=now - step_start,
                     elapsed_s=now - start,
+                    **totals,
                 )
                 writer.write(metrics)
                 history.append(metrics)
@@ -265,12 +293,29 @@ class _Trainer:
             writer.close()
         return history
 
-    def _step(self, iteration: int, examples) -> tuple[StepBatch, float, float]:
+    def _step(self, iteration: int, examples) -> tuple[dict, float]:
         """One optimizer step and scheduler increment on one global batch of examples.
 
         Returns:
-            (the step's micro-batches, loss, gradient norm before clipping).
+            (the step's loss and token counts, as StepMetrics fields; the gradient norm before
+            clipping).
         """
+        batch = self.config.batch
+        if self.stepper is not None:
+            totals, grad_norm = self.stepper.step(examples, self.config.schedule.clip_grad)
+        else:
+            totals, grad_norm = self._single_process_step(examples)
+        loss = totals["loss"]
+        if self.config.checkpoint.check_finite and not math.isfinite(loss + grad_norm):
+            raise FloatingPointError(
+                f"iteration {iteration}: lm loss {loss}, grad norm {grad_norm} is not finite; "
+                "stopped before the optimizer step (the last checkpoint, if any, is intact)"
+            )
+        self.optimizer.step()
+        self.scheduler.step(increment=batch.global_batch_size)
+        return totals, grad_norm
+
+    def _single_process_step(self, examples) -> tuple[dict, float]:
         batch = self.config.batch
         step = build_step_batch(
             examples,
@@ -283,14 +328,14 @@ class _Trainer:
         loss, grad_norm = train_step(
             self.model, step, clip_grad=self.config.schedule.clip_grad, device=self.device
         )
-        if self.config.checkpoint.check_finite and not math.isfinite(loss + grad_norm):
-            raise FloatingPointError(
-                f"iteration {iteration}: lm loss {loss}, grad norm {grad_norm} is not finite; "
-                "stopped before the optimizer step (the last checkpoint, if any, is intact)"
-            )
-        self.optimizer.step()
-        self.scheduler.step(increment=batch.global_batch_size)
-        return step, loss, grad_norm
+        totals = dict(
+            loss=loss,
+            logical_tokens=step.logical_tokens,
+            executed_tokens=step.executed_tokens,
+            loss_tokens=step.loss_tokens,
+            micro_batches=len(step.micro_batches),
+        )
+        return totals, grad_norm
 
     def _maybe_save(self, position: TrainingPosition, metrics: StepMetrics) -> None:
         """Save at every ``--save-interval`` iterations and after the last one."""

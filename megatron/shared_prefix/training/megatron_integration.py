@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from megatron.shared_prefix.training.arguments import extra_args_provider
+from megatron.shared_prefix.training.arguments import apply_pipeline_defaults, extra_args_provider
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
 from megatron.shared_prefix.training.data import Dataset, ExampleStream
@@ -63,7 +63,7 @@ def pad_rows(step: StepBatch, num_rows: int, batch: BatchConfig) -> StepBatch:
             f"{batch.micro_batch_size} x data-parallel size {batch.data_parallel_size})); raise "
             "--shared-prefix-capacity or lower --micro-batch-size"
         )
-    padding = tuple(empty_row() for _ in range(num_rows - len(rows)))
+    padding = tuple(empty_row(batch.pad_multiple) for _ in range(num_rows - len(rows)))
     return StepBatch(
         micro_batches=rows + padding,
         num_examples=step.num_examples,
@@ -214,6 +214,7 @@ class RowIterator:
             capacity=self.batch.capacity,
             micro_batch_size=self.batch.micro_batch_size,
             normalization=self.batch.normalization,
+            pad_multiple=self.batch.pad_multiple,
         )
         if self.batch.packing:
             step = pad_rows(step, self.batch.micro_batches_per_step, self.batch)
@@ -318,6 +319,17 @@ class MegatronSession:
         )
         return rows, None, None
 
+    def distributed_datasets_provider(self):
+        """``datasets_provider`` marked ``is_distributed``: megatron.training then builds the
+        iterator on every rank, not only on tensor-parallel rank 0, since every tensor-parallel
+        rank and pipeline stage needs the row's layout."""
+
+        def provider(num_samples):
+            return self.datasets_provider(num_samples)
+
+        provider.is_distributed = True
+        return provider
+
     def forward_step(self, data_iterator, model):
         """Megatron forward step: one micro-batch's per-target losses and its loss function."""
         micro_batch = next(data_iterator)
@@ -386,6 +398,7 @@ def pretrain_with_megatron() -> None:
     from megatron.training.utils import print_rank_0
 
     args = parse_and_validate_args(extra_args_provider=extra_args_provider(sys.argv[1:]))
+    apply_pipeline_defaults(args)
     config = RunConfig.from_args(
         args, trainer="megatron", data_parallel_size=args.data_parallel_size
     )
@@ -403,7 +416,7 @@ def pretrain_with_megatron() -> None:
     _use_prebuilt_dataset_helpers()
     pretrain(
         pretrain_cfg_container_from_args(args),
-        session.datasets_provider,
+        session.distributed_datasets_provider(),
         ModelType.encoder_or_decoder,
         session.forward_step,
         model_provider=session.model_provider,

@@ -1,7 +1,5 @@
 """Tiny MoE configs, routers and models for the MoE tests (CPU, float32)."""
 
-import contextlib
-
 import pytest
 import torch
 from tiny import tiny_config
@@ -86,34 +84,3 @@ def metrics():
     set_moe_metrics_tracker(tracker)
     yield tracker
     destroy_moe_metrics_tracker()
-
-
-class _HostStream:
-    """Stands in for the CUDA side stream of megatron-core's alltoall dispatcher on a CPU."""
-
-    def wait_stream(self, other):
-        pass
-
-    def record_event(self):
-        return self
-
-    def synchronize(self):
-        pass
-
-
-@pytest.fixture
-def host_streams(monkeypatch):
-    """Let MoEAlltoAllTokenDispatcher run without CUDA.
-
-    The dispatcher creates a ``torch.cuda.Stream`` when it is built and copies its split sizes to
-    the host on it; on a CPU every tensor already is on the host, so one inert stream object for
-    both the side stream and the current stream makes those copies plain no-ops.
-    """
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    stream = _HostStream()
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", stream)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: stream)
-        monkeypatch.setattr(torch.cuda, "stream", lambda _stream: contextlib.nullcontext())
-    yield

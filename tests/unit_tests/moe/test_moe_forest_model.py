@@ -110,9 +110,7 @@ def _snapshot(model, metrics):
 
 
 @pytest.mark.parametrize("pattern,dispatcher,routing", CASES)
-def test_moe_forest_matches_dense_batch(
-    build_model, metrics, host_streams, pattern, dispatcher, routing
-):
+def test_moe_forest_matches_dense_batch(build_model, metrics, pattern, dispatcher, routing):
     model = build_model(pattern, moe_token_dispatcher_type=dispatcher, **ROUTING[routing])
     routers = _routers(model)
     assert routers and all(not router.count_padding for router in routers)

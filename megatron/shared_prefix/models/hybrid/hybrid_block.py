@@ -16,7 +16,7 @@ class SharedPrefixHybridStack(HybridStack):
 
     Args:
         final_norm: norm builder called as ``final_norm(config=, hidden_size=, eps=)``, e.g.
-            ``WrappedTorchNorm`` or ``TENorm``.
+            ``TorchNorm`` (a local norm that supports sequence parallelism) or ``TENorm``.
         Everything else is HybridStack's.
     """
 

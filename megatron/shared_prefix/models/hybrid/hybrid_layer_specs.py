@@ -26,7 +26,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
     TransformerLayer,
@@ -37,6 +36,7 @@ from megatron.shared_prefix.attention.dot_product_attention import TreeDotProduc
 from megatron.shared_prefix.models.hybrid.hybrid_block import SharedPrefixHybridStack
 from megatron.shared_prefix.moe import tree_moe_module_spec
 from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
+from megatron.shared_prefix.transformer.torch_norm import TorchNorm
 
 
 def _transformer_engine_modules():
@@ -94,11 +94,11 @@ def hybrid_stack_spec(
         input_norm, column_linear = IdentityOp, norm_linear
     else:
         input_norm, column_linear, row_linear = (
-            WrappedTorchNorm,
+            TorchNorm,
             ColumnParallelLinear,
             RowParallelLinear,
         )
-        final_norm = WrappedTorchNorm
+        final_norm = TorchNorm
 
     mamba_layer = ModuleSpec(
         module=MambaLayer,
@@ -150,7 +150,7 @@ def hybrid_stack_spec(
         submodules.moe_layer = ModuleSpec(
             module=MoETransformerLayer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=WrappedTorchNorm if not use_te else final_norm,
+                pre_mlp_layernorm=final_norm,
                 # Row padding stays out of the expert-bias counts (TreeTopKRouter's count_padding);
                 # replace this mlp with tree_moe_module_spec(..., count_padding=True) to count it.
                 mlp=tree_moe_module_spec(

@@ -11,32 +11,17 @@ layout the forward is HybridModel.forward, unchanged.
 from typing import Optional
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.utils import make_viewless_tensor
 from torch import Tensor
 
 from megatron.shared_prefix.layout import ForestLayout
 from megatron.shared_prefix.models.hybrid.validation import validate_forest_forward
+from megatron.shared_prefix.tensor_parallel.cross_entropy import vocab_parallel_edge_cross_entropy
 from megatron.shared_prefix.tensor_parallel.random import bracket_for_recompute
 from megatron.shared_prefix.tensors import ForestTensors, forest_scope
-
-
-def edge_cross_entropy(
-    source_logits: Tensor, edge_source_slot: Tensor, edge_target: Tensor
-) -> Tensor:
-    """Cross entropy of every loss edge, computing the softmax once per distinct source.
-
-    Args:
-        source_logits: [U, V] logits of the distinct edge sources.
-        edge_source_slot: [E] row of ``source_logits`` that predicts each edge.
-        edge_target: [E] target token id of each edge.
-
-    Returns:
-        [E] float32 ``-log softmax(source_logits[slot])[target]``.
-    """
-    logits = source_logits.float()
-    log_normalizer = torch.logsumexp(logits, dim=-1)
-    return log_normalizer[edge_source_slot] - logits[edge_source_slot, edge_target]
 
 
 class SharedPrefixHybridModel(HybridModel):
@@ -84,6 +69,12 @@ class SharedPrefixHybridModel(HybridModel):
         With a layout, ``input_ids`` and ``position_ids`` are the layout's ``tokens`` and
         ``position_ids`` as [1, T] tensors (or None); the returned losses follow the layout's edge
         order. Everything that the layout defines (masks, labels, packing) must not be passed.
+
+        Under tensor parallelism every rank returns the same [E] (the loss is vocab-parallel, so
+        ``runtime_gather_output`` has nothing to gather and is not used). Under pipeline
+        parallelism every stage is given the same layout; a stage that is not the last returns its
+        output hidden states ([T, 1, hidden], or [T / tp, 1, hidden] with sequence parallelism)
+        for the next stage, as HybridModel does.
         """
         if shared_prefix_layout is None:
             with forest_scope(None):
@@ -117,10 +108,15 @@ class SharedPrefixHybridModel(HybridModel):
         forest = ForestTensors.from_layout(shared_prefix_layout, self._device())
         with forest_scope(forest):
             hidden_states = self._forest_stack(forest)
-            return self._edge_loss(hidden_states, forest, runtime_gather_output)
+            if not self.post_process:
+                # The schedule frees a stage's output after sending it: it must own its storage.
+                return make_viewless_tensor(
+                    hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
+                )
+            return self._edge_loss(hidden_states, forest)
 
     def _device(self) -> torch.device:
-        return self.embedding.word_embeddings.weight.device
+        return next(self.parameters()).device
 
     def _forest_rotary_pos_emb(self, forest: ForestTensors) -> Optional[Tensor]:
         """[T, 1, 1, D] rotary table rows gathered by each token's position (not packed index)."""
@@ -130,28 +126,53 @@ class SharedPrefixHybridModel(HybridModel):
         return table.index_select(0, forest.position_ids[0])
 
     def _forest_stack(self, forest: ForestTensors) -> Tensor:
-        """Embeddings and the decoder stack over the packed row: [T, 1, hidden]."""
+        """This stage's embeddings (first stage) and layers over the packed row.
+
+        Returns [T, 1, hidden] ([T / tp, 1, hidden] under sequence parallelism). A later pipeline
+        stage reads its input from ``set_input_tensor``, as HybridStack does.
+        """
         enter, leave = bracket_for_recompute(forest, self._device())
-        decoder_input = self.embedding(input_ids=forest.input_ids, position_ids=forest.position_ids)
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.embedding(
+                input_ids=forest.input_ids, position_ids=forest.position_ids
+            )
+            if self.config.sequence_parallel and not self.embedding.scatter_to_sequence_parallel:
+                decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
+                    decoder_input, group=self.pg_collection.tp
+                )
+            decoder_input = enter(decoder_input)
+        else:
+            self.decoder.set_input_tensor(enter(self.decoder.input_tensor))
         hidden_states = self.decoder(
-            hidden_states=enter(decoder_input),
+            hidden_states=decoder_input,
             attention_mask=None,
             rotary_pos_emb=self._forest_rotary_pos_emb(forest),
         )
         return leave(hidden_states)
 
-    def _edge_loss(
-        self, hidden_states: Tensor, forest: ForestTensors, runtime_gather_output
-    ) -> Tensor:
-        """Project only the distinct edge sources to the vocabulary; [E] float32 cross entropy."""
-        source_states = hidden_states.index_select(0, forest.edge_unique_source)
+    def _edge_loss(self, hidden_states: Tensor, forest: ForestTensors) -> Tensor:
+        """Project only the distinct edge sources to the vocabulary; [E] float32 cross entropy.
+
+        Under sequence parallelism each rank selects the sources among its own tokens and the
+        output layer's all-gather assembles them (``ForestTensors.edge_projection``); the logits
+        stay vocab-parallel.
+        """
+        tp_group = self.pg_collection.tp
+        split = (
+            (tp_group.size(), tp_group.rank()) if self.output_layer.sequence_parallel else (1, 0)
+        )
+        local_sources, edge_slot = forest.edge_projection(*split)
+        source_states = hidden_states.index_select(0, local_sources)
         output_weight = (
             self.shared_embedding_or_output_weight()
             if self.share_embeddings_and_output_weights
             else None
         )
         logits, _ = self.output_layer(
-            source_states, weight=output_weight, runtime_gather_output=runtime_gather_output
+            source_states, weight=output_weight, runtime_gather_output=False
         )
         logits = self._scale_logits(logits)
-        return edge_cross_entropy(logits[:, 0], forest.edge_source_slot, forest.edge_target)
+        return vocab_parallel_edge_cross_entropy(
+            logits[:, 0], edge_slot, forest.edge_target, tp_group
+        )

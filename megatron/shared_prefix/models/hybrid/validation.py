@@ -39,12 +39,22 @@ def _config_errors(config) -> list[str]:
         errors.append("multi_latent_attention=True (MLA layers)")
     if config.experimental_attention_variant is not None:
         errors.append(f"experimental_attention_variant={config.experimental_attention_variant!r}")
-    if config.pipeline_model_parallel_size > 1:
+    if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
         errors.append(
-            f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} (must be 1)"
+            f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} with "
+            "variable_seq_lengths=False (forest rows differ in length, so the pipeline schedule "
+            "must send each micro-batch's shape)"
         )
-    if config.tensor_model_parallel_size > 1:
-        errors.append(f"tensor_model_parallel_size={config.tensor_model_parallel_size} (must be 1)")
+    if (
+        config.num_moe_experts
+        and config.tensor_model_parallel_size > 1
+        and not config.sequence_parallel
+    ):
+        errors.append(
+            f"tensor_model_parallel_size={config.tensor_model_parallel_size} with MoE layers and "
+            "sequence_parallel=False (every tensor-parallel rank would route and count the whole "
+            "row; megatron-core requires sequence parallelism for MoE under tensor parallelism)"
+        )
     if config.context_parallel_size > 1:
         errors.append(f"context_parallel_size={config.context_parallel_size} (must be 1)")
     if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
@@ -69,8 +79,11 @@ def _layer_errors(model) -> list[str]:
         errors.append(f"hybrid_layer_pattern layers {unsupported} (supported: M, *, -, E)")
     if model.position_embedding_type not in SUPPORTED_POSITION_EMBEDDINGS:
         errors.append(f"position_embedding_type={model.position_embedding_type!r}")
-    if not model.pre_process or not model.post_process:
-        errors.append("pre_process/post_process=False (the forest forward runs the whole model)")
+    if not model.pre_process and model.decoder.input_tensor is None:
+        errors.append(
+            "no input tensor on this pipeline stage (pre_process=False: call set_input_tensor "
+            "with the previous stage's output first, as megatron's schedule does)"
+        )
     return errors
 
 
@@ -89,6 +102,14 @@ def _layout_errors(model, layout: ForestLayout) -> list[str]:
         errors.append(
             f"edge target {int(layout.edge_target.max())} >= vocab_size {model.vocab_size}"
         )
+    tp_size = model.config.tensor_model_parallel_size
+    if model.config.sequence_parallel and tp_size > 1 and layout.num_tokens % tp_size:
+        errors.append(
+            f"shared_prefix_layout of {layout.num_tokens} tokens with sequence_parallel=True and "
+            f"tensor_model_parallel_size={tp_size} (the row must split into equal chunks: plan "
+            f"with pad_multiple a multiple of {tp_size})"
+        )
+    errors += _expert_parallel_row_errors(model.config, layout.num_tokens)
     if model.position_embedding_type == "learned_absolute" and layout.num_tokens:
         if int(layout.position_ids.max()) >= model.max_sequence_length:
             errors.append(
@@ -96,6 +117,34 @@ def _layout_errors(model, layout: ForestLayout) -> list[str]:
                 f"{model.max_sequence_length}"
             )
     return errors
+
+
+def _expert_parallel_row_errors(config, num_tokens: int) -> list[str]:
+    """The allgather dispatcher under expert parallelism stacks every expert-parallel rank's
+    tokens, so every rank's row must have one length; checked with one small collective."""
+    if not (
+        config.num_moe_experts
+        and config.expert_model_parallel_size > 1
+        and config.moe_token_dispatcher_type == "allgather"
+    ):
+        return []
+    from megatron.core import parallel_state
+
+    lengths = torch.tensor([num_tokens, -num_tokens], device=torch.cuda.current_device())
+    torch.distributed.all_reduce(
+        lengths,
+        op=torch.distributed.ReduceOp.MAX,
+        group=parallel_state.get_expert_model_parallel_group(),
+    )
+    longest, shortest = int(lengths[0]), -int(lengths[1])
+    if longest == shortest:
+        return []
+    return [
+        f"moe_token_dispatcher_type='allgather' with expert_model_parallel_size="
+        f"{config.expert_model_parallel_size} and rows of {shortest}..{longest} tokens on the "
+        "expert-parallel ranks (the dispatcher stacks equal-length rows: plan with pad_multiple "
+        "equal to the capacity, or use the alltoall dispatcher)"
+    ]
 
 
 def _matches(tensor: Optional[torch.Tensor], expected: np.ndarray) -> bool:

@@ -140,6 +140,7 @@ ENTRIES = [
         tests=(
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_scan_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+            "tests/unit_tests/distributed/test_parallel_forests.py",
         ),
         kind="external kernel",
         training_path=True,
@@ -147,7 +148,8 @@ ENTRIES = [
             "Packed mamba_chunk_scan_combined (mamba_ssm Triton on CUDA, torch_ssd on CPU) with "
             "seq_idx = segment, then the forked-state correction (float64 cumsum, per-parent "
             "einsums, a custom autograd function writing each child token once). CUDA replay needs "
-            "deterministic mode (mamba_ssm's backward uses atomics)."
+            "deterministic mode (mamba_ssm's backward uses atomics). The tensor- and "
+            "sequence-parallel mixer is replayed in the multi-process gloo jobs (tp2_sp cases)."
         ),
     ),
     KernelEntry(

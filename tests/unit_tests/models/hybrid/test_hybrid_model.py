@@ -160,7 +160,6 @@ CONFIG_REJECTIONS = {
     "multi_latent_attention": True,
     "experimental_attention_variant": "dsa",
     "pipeline_model_parallel_size": 2,
-    "tensor_model_parallel_size": 2,
     "context_parallel_size": 2,
     "cuda_graph_impl": "local",
     "fp8": "e4m3",
@@ -179,6 +178,27 @@ def test_rejects_unsupported_settings_before_compute(build_model, forest_sequenc
     with pytest.raises(ValueError, match=setting):
         model(None, None, None, shared_prefix_layout=layout)
     assert not calls and all(p.grad is None for p in model.parameters())
+
+
+def test_rejects_parallel_settings_that_cannot_be_exact(build_model, forest_sequences):
+    """What parallelism cannot run exactly is named before compute (multi-process runs of what
+    can are in tests/unit_tests/distributed)."""
+    model = build_model("*-", seed=0)
+    layout = plan_shared_prefix(forest_sequences(seed=0, depth=2), capacity=512).rows[0]
+    assert layout.num_tokens % 2, "the row must not split into two equal chunks"
+    calls = []
+    model.embedding.register_forward_pre_hook(lambda *_: calls.append(1))
+    model.config.tensor_model_parallel_size, model.config.sequence_parallel = 2, True
+    with pytest.raises(ValueError, match="pad_multiple a multiple of 2"):
+        model(None, None, None, shared_prefix_layout=layout)
+    model.config.num_moe_experts, model.config.sequence_parallel = 4, False
+    with pytest.raises(ValueError, match="MoE layers and sequence_parallel=False"):
+        model(None, None, None, shared_prefix_layout=layout)
+    model.config.tensor_model_parallel_size, model.config.num_moe_experts = 1, None
+    model.pre_process = False
+    with pytest.raises(ValueError, match="set_input_tensor"):
+        model(None, None, None, shared_prefix_layout=layout)
+    assert not calls
 
 
 def test_mtp_is_allowed_when_its_loss_is_disabled(build_model, forest_sequences):

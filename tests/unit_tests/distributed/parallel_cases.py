@@ -1,0 +1,402 @@
+"""Forest training steps under TP, SP, EP, DP and PP against the TP = 1 dense reference.
+
+Run by torchrun (test_parallel_forests.py launches it): ``parallel_cases.py OUT.json CASE ...``.
+Every case, on every rank:
+
+1. builds the TP = 1 model (megatron's layout TP = PP = EP = 1, each rank a data-parallel replica)
+   from the case's seed and computes the dense reference of every row of the batch: the row's
+   sequences as one right-padded micro-batch through HybridModel.forward with labels (and
+   ``padding_mask`` for MoE), the gradient of ``sum(w * loss)`` over all rows, and, for MoE, the
+   expert-bias counts of every sequence run alone;
+2. re-initializes megatron's parallel state at the case's layout, builds the same model there,
+   loads its shard of the TP = 1 weights (``load_full_tensors``) and wraps it in megatron's DDP;
+3. trains one step on forests: each data-parallel rank takes its rows as micro-batches through
+   megatron's forward-backward schedule (pipelined for PP > 1), then ``finalize_model_grads``
+   (data-parallel, sequence-parallel and embedding reductions, as in megatron.training);
+4. gathers full gradients and compares them, the per-edge losses and the MoE counts with the
+   reference.
+
+Rank 0 writes {case: {"loss_error", "grad_error", "worst_grad", "counts_equal", ...}}; the pytest
+side asserts the tolerances.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+# pylint: disable=wrong-import-position
+from megatron.shared_prefix.training.distributed import init_parallel  # noqa: E402
+
+init_parallel()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: E402
+from moe.forests import dense_gather_index, random_sequences, root_paths  # noqa: E402
+from tiny import tiny_config  # noqa: E402
+
+from megatron.shared_prefix import (  # noqa: E402
+    SharedPrefixHybridModel,
+    hybrid_stack_spec,
+    plan_shared_prefix,
+)
+from megatron.shared_prefix.moe import TreeTopKRouter  # noqa: E402
+from megatron.shared_prefix.tensor_parallel.full_tensors import (  # noqa: E402
+    gather_full_tensors,
+    load_full_tensors,
+)
+
+VOCAB = 64
+MOE_ROUTING = dict(
+    moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+    moe_aux_loss_coeff=[1e-2, 2e-2],
+    moe_z_loss_coeff=1e-3,
+    moe_router_enable_expert_bias=True,
+    moe_router_score_function="sigmoid",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One parallel layout and model; ``pattern`` may hold '|' pipeline-stage boundaries."""
+
+    pattern: str
+    tp: int = 1
+    sp: bool = False
+    ep: int = 1
+    etp: Optional[int] = None
+    pp: int = 1
+    dispatcher: str = "allgather"
+    tied: bool = False
+    config: tuple = ()
+    seed: int = 0
+    replay: bool = False
+
+    @property
+    def equal_rows(self) -> bool:
+        """The allgather dispatcher under EP stacks every rank's tokens: rows of one length."""
+        return self.ep > 1 and self.dispatcher == "allgather"
+
+    @property
+    def moe(self) -> bool:
+        return "E" in self.pattern
+
+
+CASES = {
+    "tp2": Case("M*-M*", tp=2, seed=1),
+    "tp2_tied_learned": Case("*-M", tp=2, tied=True, seed=2, config=(("learned", True),)),
+    "tp2_sp": Case("M*-M*", tp=2, sp=True, seed=3, replay=True),
+    "tp2_sp_moe_allgather": Case("M*E-E", tp=2, sp=True, seed=4),
+    "tp2_sp_moe_alltoall": Case("*EM", tp=2, sp=True, dispatcher="alltoall", seed=5, replay=True),
+    "ep2_dp2_allgather": Case("M*E", ep=2, seed=6),
+    "ep2_dp2_alltoall": Case("*E-E", ep=2, dispatcher="alltoall", seed=7),
+    "pp2": Case("M*|-M*", pp=2, dispatcher="alltoall", seed=8),
+    "pp2_moe_tied": Case("*E|M-", pp=2, tied=True, dispatcher="alltoall", seed=9),
+    "dp2": Case("M*-E", seed=10),
+    "tp4": Case("M*-", tp=4, seed=14),
+    "tp4_sp_moe": Case("M*E", tp=4, sp=True, seed=11),
+    # Experts unsplit (ETP 1): the alltoall dispatcher with EP and ETP > 1 gathers uneven token
+    # counts over ETP, which gloo's all_gather cannot do (NCCL can).
+    "tp2_sp_ep2_alltoall": Case("M*E-", tp=2, sp=True, ep=2, etp=1, dispatcher="alltoall", seed=12),
+    "pp2_tp2_sp": Case("M*E|*M", tp=2, sp=True, pp=2, dispatcher="alltoall", seed=13),
+}
+
+
+def _config(case: Case, parallel: bool):
+    extra = dict(case.config)
+    extra.pop("learned", None)
+    settings = dict(
+        num_layers=len(case.pattern.replace("|", "")),
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=4 if case.tp == 4 else 2,
+        mamba_num_groups=4 if case.tp == 4 else 2,
+        # Rows differ in length: a pipeline must send shapes (megatron allows it only with the
+        # alltoall dispatcher).
+        variable_seq_lengths=parallel and case.pp > 1,
+        pipeline_dtype=torch.float32,
+        deallocate_pipeline_outputs=True,
+        moe_token_dispatcher_type=case.dispatcher,
+    )
+    if case.moe:
+        settings.update(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            add_bias_linear=False,
+            **MOE_ROUTING,
+        )
+    if parallel:
+        settings.update(
+            tensor_model_parallel_size=case.tp,
+            sequence_parallel=case.sp,
+            expert_model_parallel_size=case.ep,
+            expert_tensor_parallel_size=case.etp or case.tp,
+            pipeline_model_parallel_size=case.pp,
+        )
+    settings.update(extra)
+    return tiny_config(**settings)
+
+
+def _build(case: Case, parallel: bool):
+    pattern = case.pattern if parallel else case.pattern.replace("|", "")
+    torch.manual_seed(case.seed)
+    model = SharedPrefixHybridModel(
+        _config(case, parallel),
+        hybrid_stack_spec=hybrid_stack_spec(4 if case.moe else None, mamba_chunk_size=8),
+        vocab_size=VOCAB,
+        max_sequence_length=256,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="learned_absolute" if dict(case.config).get("learned") else "rope",
+        share_embeddings_and_output_weights=case.tied,
+        pre_process=parallel_state.is_pipeline_first_stage() if parallel else True,
+        post_process=parallel_state.is_pipeline_last_stage() if parallel else True,
+    )
+    if case.moe:
+        with torch.no_grad():
+            for router in _routers(model):
+                router.weight.normal_()
+    return model
+
+
+def _routers(model):
+    return [module for module in model.modules() if isinstance(module, TreeTopKRouter)]
+
+
+def _batch(case: Case, data_parallel: int):
+    """(sequences, rows, edge weights): a multiple of ``data_parallel`` rows, padded for SP."""
+    rng = np.random.default_rng(case.seed)
+    sequences = random_sequences(rng, num_sequences=12, vocab_size=VOCAB, max_len=24)
+    capacity = 48
+    plan = plan_shared_prefix(
+        sequences, capacity=capacity, pad_multiple=capacity if case.equal_rows else case.tp
+    )
+    rows = plan.rows[: len(plan.rows) - len(plan.rows) % data_parallel]
+    assert len(rows) >= data_parallel, (len(plan.rows), data_parallel)
+    generator = torch.Generator().manual_seed(case.seed)
+    weights = [torch.rand(len(row.edge_source), generator=generator) + 0.5 for row in rows]
+    return sequences, rows, weights
+
+
+def _dense_row_losses(model, layout, moe: bool):
+    """[E] dense losses of the row's edges: its sequences as one right-padded micro-batch."""
+    index, padding = dense_gather_index(layout)
+    tokens = torch.as_tensor(layout.tokens)[index].t()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    routers = _routers(model)
+    for router in routers:
+        router.enable_expert_bias = False
+    try:
+        loss = model(
+            tokens,
+            positions,
+            None,
+            labels=torch.roll(tokens, -1, 1),
+            padding_mask=padding.t() if moe else None,
+        )
+    finally:
+        for router in routers:
+            router.enable_expert_bias = True
+    row_of = {int(sequence): k for k, sequence in enumerate(layout.sequence_ids)}
+    rows = torch.tensor([row_of[int(s)] for s in layout.edge_sequence])
+    return loss[rows, torch.as_tensor(layout.edge_position) - 1]
+
+
+def _reference(case: Case, rows, weights):
+    """TP = 1 model: full weights, per-row dense losses, summed gradients, dense expert counts."""
+    init_parallel()
+    model = _build(case, parallel=False)
+    full_weights = {name: param.detach().clone() for name, param in model.named_parameters()}
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    losses = []
+    for layout, w in zip(rows, weights):
+        loss = _dense_row_losses(model, layout, case.moe)
+        (loss * w).sum().backward()
+        losses.append(loss.detach())
+    grads = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+    counts = None
+    if case.moe:
+        for router in _routers(model):
+            router.local_tokens_per_expert.zero_()
+        with torch.enable_grad():
+            for layout in rows:
+                for path in root_paths(layout):
+                    tokens = torch.as_tensor(layout.tokens)[path].unsqueeze(0)
+                    model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), None)
+        counts = torch.stack([router.local_tokens_per_expert.clone() for router in _routers(model)])
+    return full_weights, losses, grads, counts
+
+
+def _relative_error(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
+
+
+def _forest_step(case: Case, model, rows, weights):
+    """One training step on forests through megatron's schedule; returns this rank's losses."""
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        model,
+    )
+    data_parallel = parallel_state.get_data_parallel_world_size()
+    mine = list(range(parallel_state.get_data_parallel_rank(), len(rows), data_parallel))
+    losses = {}
+
+    def forward_step(data_iterator, chunk):
+        k = next(data_iterator)
+        output = chunk(None, None, None, shared_prefix_layout=rows[k])
+
+        def loss_func(edge_loss):
+            losses[k] = edge_loss.detach().clone()
+            return (edge_loss * weights[k]).sum(), {}
+
+        return output, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(mine),
+        model=[ddp],
+        num_microbatches=len(mine),
+        seq_length=max(rows[k].num_tokens for k in mine),
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    counts = None
+    if case.moe and _routers(model):
+        counts = torch.stack([router.local_tokens_per_expert.clone() for router in _routers(model)])
+    finalize_model_grads([ddp])
+    return losses, counts, len(mine) * data_parallel
+
+
+def run_case(case: Case) -> dict:
+    """Run one case on every rank; the result (identical on every rank) as a dict."""
+    data_parallel = dist.get_world_size() // (case.tp * case.pp)
+    sequences, rows, weights = _batch(case, data_parallel)
+    del sequences
+    full_weights, ref_losses, ref_grads, ref_counts = _reference(case, rows, weights)
+
+    init_parallel(
+        tensor_model_parallel_size=case.tp,
+        pipeline_model_parallel_size=case.pp,
+        expert_model_parallel_size=case.ep,
+        expert_tensor_parallel_size=case.etp,
+    )
+    model = _build(case, parallel=True)
+    load_full_tensors(model, full_weights)
+    losses, counts, num_rows = _forest_step(case, model, rows, weights)
+    replay_bitwise = None
+    if case.replay:
+        # Kernel-determinism replay of the parallel step (manifest: tree_mamba_scan).
+        again = _build(case, parallel=True)
+        load_full_tensors(again, full_weights)
+        losses_again = _forest_step(case, again, rows, weights)[0]
+        replay_bitwise = all(torch.equal(losses[k], losses_again[k]) for k in losses) and all(
+            torch.equal(a.main_grad, b.main_grad)
+            for a, b in zip(model.parameters(), again.parameters())
+        )
+
+    # Losses: every row's, from the last stage of the rank that ran it (the same on every TP rank).
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, losses if parallel_state.is_pipeline_last_stage() else {})
+    loss_error, tp_ranks_agree = 0.0, True
+    for rank_losses in everyone:
+        for k, loss in rank_losses.items():
+            loss_error = max(loss_error, _relative_error(loss, ref_losses[k]))
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for k, loss in losses.items():
+        gathered = [torch.empty_like(loss) for _ in range(tp_group.size())]
+        dist.all_gather(gathered, loss, group=tp_group)
+        tp_ranks_agree &= all(torch.equal(g, loss) for g in gathered)
+
+    # Gradients: megatron divides the step's loss by micro-batches x data-parallel size.
+    main_grads = {name: param.main_grad for name, param in model.named_parameters()}
+    full_grads = gather_full_tensors(model, main_grads)
+    grad_errors = {
+        name: _relative_error(full_grads[name] * num_rows, expected)
+        for name, expected in ref_grads.items()
+        if expected.abs().max() > 0
+    }
+    worst = max(grad_errors, key=grad_errors.get)
+    result = dict(
+        loss_error=loss_error,
+        grad_error=grad_errors[worst],
+        worst_grad=worst,
+        grads_compared=len(grad_errors),
+        missing_grads=sorted(set(ref_grads) - set(full_grads)),
+        tp_ranks_agree=bool(tp_ranks_agree),
+        rows=len(rows),
+    )
+    if replay_bitwise is not None:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, replay_bitwise)
+        result["replay_bitwise"] = all(everyone)
+    if case.moe:
+        local = counts if counts is not None else torch.zeros(0, dtype=torch.int64)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        # Sum over the TP x DP ranks of each stage; stages hold different layers.
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, stage)
+        totals = {}
+        for rank_stage, rank_counts in zip(stages, everyone):
+            if rank_counts.numel():
+                totals[rank_stage] = totals.get(rank_stage, 0) + rank_counts
+        tree_counts = torch.cat([totals[s] for s in sorted(totals)])
+        result["counts_equal"] = bool(torch.equal(tree_counts, ref_counts))
+    return result
+
+
+def reject_ep2_allgather_unequal_rows() -> dict:
+    """The allgather dispatcher under EP with rows of different lengths on the two EP ranks is
+    rejected before any compute, on every rank, naming the dispatcher."""
+    case = Case("*E", ep=2, seed=20)
+    init_parallel(expert_model_parallel_size=2)
+    model = _build(case, parallel=True)
+    length = 8 + 2 * parallel_state.get_expert_model_parallel_rank()
+    layout = plan_shared_prefix([list(range(1, length + 1))], capacity=64).rows[0]
+    calls = []
+    model.embedding.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        model(None, None, None, shared_prefix_layout=layout)
+    except ValueError as error:
+        rejected = "moe_token_dispatcher_type='allgather'" in str(error) and not calls
+    else:
+        rejected = False
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rejected)
+    return {"rejected": all(everyone)}
+
+
+REJECTIONS = {"reject_ep2_allgather_unequal_rows": reject_ep2_allgather_unequal_rows}
+
+
+def main(out_path: str, names: list[str]) -> None:
+    results = {}
+    for name in names:
+        try:
+            results[name] = REJECTIONS[name]() if name in REJECTIONS else run_case(CASES[name])
+        except Exception as error:  # pylint: disable=broad-exception-caught
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+            if os.environ.get("SHARED_PREFIX_RAISE"):
+                raise
+    if dist.get_rank() == 0:
+        with open(out_path, "w", encoding="utf-8") as out:
+            json.dump(results, out, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
