@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from chat_tokenizer import (
     CHATML,
     CHATML_END_MARKER,
@@ -479,6 +480,51 @@ def test_the_tiny_preset_leaves_the_vocabulary_to_a_text_tokenizer():
         parser = extra_args_provider(argv)(argparse.ArgumentParser())
         assert parser.get_default("vocab_size") == vocab_size
         assert parser.get_default("hidden_size") == 128
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU loop's gloo runs (CUDA: megatron.training)"
+)
+def test_two_processes_tokenize_once(tmp_path, write_jsonl, chat_tokenizer_dir):
+    """Under torchrun, rank 0 tokenizes and writes the cache, rank 1 waits for it and reads it."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONWARNINGS="ignore")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(root, "pretrain_hybrid.py"),
+        "--data-path",
+        write_jsonl(snapshots() + snapshots(" please")),
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        chat_tokenizer_dir,
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--hybrid-layer-pattern",
+        "*-E",
+        "--train-iters",
+        "1",
+        "--global-batch-size",
+        "6",
+        "--lr-warmup-iters",
+        "0",
+        "--shared-prefix-metrics-jsonl",
+        str(tmp_path / "metrics.jsonl"),
+    ]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.count("records (100%)") == 1  # one progress line: rank 0's
+    assert os.listdir(tmp_path / "cache" / "shared_prefix_text")[0].endswith(".tokens.npz")
+    assert len(os.listdir(tmp_path / "cache" / "shared_prefix_text")) == 1
+    (record,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert record["logical_tokens"] > record["executed_tokens"] > 0
 
 
 @pytest.fixture(scope="module")
