@@ -1,7 +1,8 @@
 """Text records through Megatron's tokenizers: chats and RL rollouts as strings (docs/data.md).
 
 Next to the token-id record kinds of data.py, which stay, a JSONL file read with a text tokenizer
-(``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``) may hold
+(``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``, or a SentencePiece or TikToken
+type; tokenizer.py) may hold
 
 * SFT chats: ``{"messages": [{"role": "user", "content": "..."}, ...], "weight": 1.0}``, rendered
   with the tokenizer's chat template and tokenized as ``apply_chat_template`` tokenizes them; the
@@ -15,7 +16,7 @@ Next to the token-id record kinds of data.py, which stay, a JSONL file read with
 Assistant spans come from the template itself: the character spans of its ``{% generation %}``
 blocks when it has them (what ``return_assistant_tokens_mask`` uses), otherwise from the end of
 the generation prompt after the earlier messages to where the next message's rendering starts;
-a token is supervised when its characters overlap a span.
+a token is supervised when its characters overlap a span (tokenizer.py's ``span_mask``).
 
 Loading (:func:`load_text_dataset`) tokenizes each file once: the examples are cached under a hash
 of (file content, tokenizer fingerprint, chat template, supervision flag), written to a temporary
