@@ -4,6 +4,8 @@ A batch's path, one file per step (docs/training.md):
 
 * ``data.py``: JSONL records or the built-in dataset -> ``Example`` (tokens, supervised positions,
   per-target weights); ``ExampleStream`` hands out global batches in order;
+* ``text_data.py``, ``tokenizer.py``: text records (chats, RL rollouts) through Megatron's
+  tokenizers -> the same ``Example``s, tokenized once and cached;
 * ``batching.py``: global batch -> ``StepBatch`` of planned prefix-forest rows (or dense padded
   batches), each a micro-batch with per-target loss coefficients;
 * ``loss.py``: the coefficients and divisor of token / sequence normalization with RL weights;

@@ -55,7 +55,8 @@ SCRIPT_DEFAULTS = {
     "dataloader_type": "external",
     "eval_iters": 0,
     "eval_interval": 1000,
-    # Records are pre-tokenized: a tokenizer only supplies the vocabulary size.
+    # Token-id records need no tokenizer (only --vocab-size); text records need a real one
+    # (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR, text_data.py).
     "tokenizer_type": "NullTokenizer",
     # megatron-core's local modules (hybrid_stack_spec(use_te=False)); TE fused RoPE is not used.
     "transformer_impl": "local",
@@ -153,6 +154,14 @@ def add_shared_prefix_args(
         "the start of a fresh run, and to the resumed iteration when resuming with --load.",
     )
     group.add_argument(
+        "--shared-prefix-supervise",
+        choices=("all-assistant", "last-assistant"),
+        default="all-assistant",
+        help="Which assistant turns of a conversation record are supervised: every one (default) "
+        "or only the last. Applies to 'messages' and 'turns' records read with a text tokenizer "
+        "(--tokenizer-type other than NullTokenizer).",
+    )
+    group.add_argument(
         "--shared-prefix-trainer",
         choices=TRAINERS,
         default="auto",
@@ -193,15 +202,25 @@ def _megatron_parser(preset: Optional[dict]) -> argparse.ArgumentParser:
     return add_shared_prefix_args(parser, preset)
 
 
+def _probe(argv: Sequence[str]) -> argparse.Namespace:
+    return _megatron_parser(None).parse_known_args(list(argv))[0]
+
+
 def uses_tiny_model(argv: Sequence[str]) -> bool:
     """True when ``argv`` gives none of :data:`MODEL_SHAPE_FLAGS` (the tiny preset applies)."""
-    args, _ = _megatron_parser(None).parse_known_args(list(argv))
+    args = _probe(argv)
     return all(getattr(args, name) is None for name in MODEL_SHAPE_FLAGS)
 
 
 def _preset(argv: Sequence[str]) -> Optional[dict]:
-    """The tiny-model preset if ``argv`` selects it, else None."""
-    return TINY_MODEL_PRESET if uses_tiny_model(argv) else None
+    """The tiny-model preset if ``argv`` selects it, else None. With a text tokenizer the
+    vocabulary comes from the tokenizer, so the preset's ``--vocab-size`` is left out."""
+    args = _probe(argv)
+    if not all(getattr(args, name) is None for name in MODEL_SHAPE_FLAGS):
+        return None
+    if args.tokenizer_type != SCRIPT_DEFAULTS["tokenizer_type"]:
+        return {k: v for k, v in TINY_MODEL_PRESET.items() if k != "vocab_size"}
+    return TINY_MODEL_PRESET
 
 
 def extra_args_provider(argv: Sequence[str]):

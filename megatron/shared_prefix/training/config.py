@@ -12,10 +12,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron.shared_prefix.training.data import Dataset, builtin_dataset, load_jsonl_dataset
 from megatron.shared_prefix.training.loss import LossNormalization
+from megatron.shared_prefix.training.text_data import TextDataConfig, load_text_dataset
+from megatron.shared_prefix.training.tokenizer import (
+    TokenizerError,
+    build_text_tokenizer,
+    uses_text_tokenizer,
+)
 
 __all__ = [
     "ConfigError",
@@ -49,6 +55,8 @@ class DataConfig:
         capacity: row capacity, the longest allowed sequence (``--shared-prefix-capacity``).
         drop_overlong: drop and count longer sequences instead of failing.
         seed: seed of the built-in dataset (``--seed``).
+        text: tokenizer, supervision and cache of text records (a ``--tokenizer-type`` other than
+            NullTokenizer; vocab_size is then the tokenizer's), or None for token ids only.
     """
 
     data_paths: tuple[str, ...]
@@ -56,13 +64,25 @@ class DataConfig:
     capacity: int
     drop_overlong: bool
     seed: int
+    text: Optional[TextDataConfig] = None
 
     def __post_init__(self):
         _require(self.vocab_size >= 1, f"--vocab-size must be >= 1, got {self.vocab_size}")
         _require(self.capacity >= 1, f"--shared-prefix-capacity must be >= 1, got {self.capacity}")
 
-    def load(self) -> Dataset:
-        """The dataset, every record checked (a bad one raises DataError naming file and line)."""
+    def load(self, log: Callable[[str], None] = print) -> Dataset:
+        """The dataset, every record checked (a bad one raises DataError naming file and line).
+
+        ``log`` receives the text loader's progress lines (tokenizing, cache).
+        """
+        if self.data_paths and self.text is not None:
+            return load_text_dataset(
+                self.data_paths,
+                self.text,
+                capacity=self.capacity,
+                drop_overlong=self.drop_overlong,
+                log=log,
+            )
         if self.data_paths:
             return load_jsonl_dataset(
                 self.data_paths,
@@ -299,14 +319,16 @@ class RunConfig:
             "--position-embedding-type learned_absolute no position may reach it; lower the "
             "capacity or raise --max-position-embeddings",
         )
+        text = _text_config(args, data_parallel_size)
         return cls(
             trainer=trainer,
             data=DataConfig(
                 data_paths=tuple(args.data_path or ()),
-                vocab_size=args.vocab_size,
+                vocab_size=text.tokenizer.vocab_size if text else args.vocab_size,
                 capacity=capacity,
                 drop_overlong=args.shared_prefix_drop_overlong,
                 seed=args.seed,
+                text=text,
             ),
             batch=BatchConfig(
                 global_batch_size=args.global_batch_size,
@@ -397,9 +419,40 @@ def check_flags_before_megatron(args: argparse.Namespace) -> None:
     )
 
 
+def _text_config(args: argparse.Namespace, data_parallel_size: int) -> Optional[TextDataConfig]:
+    """The text-record settings when ``--tokenizer-type`` names a text tokenizer, else None."""
+    if not uses_text_tokenizer(args):
+        _require(
+            args.shared_prefix_supervise == "all-assistant",
+            f"--shared-prefix-supervise {args.shared_prefix_supervise}: applies to records read "
+            "with a text tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR)",
+        )
+        return None
+    _require(
+        bool(args.data_path) or args.shared_prefix_supervise == "all-assistant",
+        f"--shared-prefix-supervise {args.shared_prefix_supervise}: applies to --data-path records "
+        "(the built-in dataset supervises every assistant turn)",
+    )
+    try:
+        tokenizer = build_text_tokenizer(args)
+    except TokenizerError as exc:
+        raise ConfigError(str(exc)) from None
+    return TextDataConfig(
+        tokenizer=tokenizer,
+        supervise=args.shared_prefix_supervise,
+        cache_dir=args.data_cache_path,
+        sample_examples=max(1, args.global_batch_size // data_parallel_size),
+        rank=args.rank,
+        world_size=args.world_size,
+    )
+
+
 def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
     """Settings this script's data path and the forest forward rely on."""
-    _require(args.vocab_size is not None, "--vocab-size is required (records are pre-tokenized)")
+    _require(
+        args.vocab_size is not None or uses_text_tokenizer(args),
+        "--vocab-size is required with --tokenizer-type NullTokenizer (token-id records)",
+    )
     _require(args.train_iters is not None or trainer == "megatron", "--train-iters is required")
     _require(
         args.dataloader_type == "external",

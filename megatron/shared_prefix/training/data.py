@@ -282,6 +282,12 @@ def parse_record(obj: Any, source: str, vocab_size: int) -> list[Example]:
     if not isinstance(obj, dict):
         _fail(source, f"a record must be a JSON object, got {type(obj).__name__}")
     kinds = [key for key in _KINDS if key in obj]
+    if not kinds and ("messages" in obj or "prompt" in obj):
+        _fail(
+            source,
+            "text records ('messages', 'prompt') need a tokenizer: --tokenizer-type "
+            "HuggingFaceTokenizer --tokenizer-model DIR (docs/data.md)",
+        )
     if len(kinds) != 1:
         _fail(
             source,
@@ -306,12 +312,14 @@ class Dataset:
         num_records: records (lines or built-in groups) read.
         dropped: sources of sequences dropped for exceeding the row capacity (only with
             ``drop_overlong``).
+        notes: further lines for the log (text data: cache use, prefix sharing, token saving).
     """
 
     examples: list[Example]
     name: str
     num_records: int
     dropped: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -66,6 +66,7 @@ _SIGNATURE_FLAGS = (
     "mamba_head_dim",
     "mamba_num_groups",
     "vocab_size",
+    "padded_vocab_size",
     "make_vocab_size_divisible_by",
     "position_embedding_type",
     "normalization",
@@ -167,7 +168,7 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
     )
     if args.rank != args.world_size - 1:
         log = _quiet
-    dataset = config.data.load()
+    dataset = config.data.load(log)
     checkpoint = config.checkpoint
     resume_iteration = (
         iteration_to_load(checkpoint.load, checkpoint.ckpt_step) if checkpoint.load else None
@@ -197,6 +198,8 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         f" | loss normalization: {config.batch.normalization.value}"
     )
     log(f"[shared-prefix] data: {dataset.summary()}")
+    for note in dataset.notes:
+        log(f"[shared-prefix] data: {note}")
     warning = repetition_warning(dataset, config.batch.global_batch_size)
     if warning:
         log(warning)

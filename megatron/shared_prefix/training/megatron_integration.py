@@ -524,6 +524,8 @@ def pretrain_with_megatron() -> None:
         f"| {config.batch.micro_batches_per_step} micro-batches per step and rank"
     )
     print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
+    for note in dataset.notes:
+        print_rank_0(f"[shared-prefix] data: {note}")
     warning = repetition_warning(dataset, config.batch.global_batch_size)
     if warning:
         print_rank_0(warning)
