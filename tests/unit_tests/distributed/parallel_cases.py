@@ -123,6 +123,8 @@ CASES = {
     # Experts unsplit (ETP 1): the alltoall dispatcher with EP and ETP > 1 gathers uneven token
     # counts over ETP, which gloo's all_gather cannot do (NCCL can).
     "tp2_sp_ep2_alltoall": Case("M*E-", tp=2, sp=True, ep=2, etp=1, dispatcher="alltoall", seed=12),
+    # The allgather dispatcher stacks equal-length rows over TP x EP (rows padded to capacity).
+    "tp2_sp_ep2_allgather": Case("*E-M", tp=2, sp=True, ep=2, seed=22),
     "pp2_tp2_sp": Case("M*E|*M", tp=2, sp=True, pp=2, dispatcher="alltoall", seed=13),
 }
 

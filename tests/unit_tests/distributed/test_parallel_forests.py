@@ -39,6 +39,7 @@ JOBS = {
         "tp4",
         "tp4_sp_moe",
         "tp2_sp_ep2_alltoall",
+        "tp2_sp_ep2_allgather",
         "pp2_tp2_sp",
         "cp4",
         "cp4_branch_points",

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from megatron.shared_prefix.training.arguments import (
     DEFAULT_LAYER_PATTERN,
     TINY_MODEL_PRESET,
@@ -103,3 +105,58 @@ def test_megatron_argument_dump_only_when_verbose(capsys):
     dump = capsys.readouterr().out
     assert "------------------------ arguments ------------------------" in dump
     assert re.search(r"^  train_iters \.+ 5$", dump, flags=re.MULTILINE)
+
+
+def test_parallel_flags_set_row_padding_and_pipeline_defaults(monkeypatch):
+    from megatron.shared_prefix.training.config import RunConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "8")  # Megatron checks the sizes against the world
+
+    def batch(*flags):
+        args = parse_arguments(["--shared-prefix-capacity", "256", *flags])
+        return args, RunConfig.from_args(args, trainer="megatron").batch
+
+    _, plain = batch()
+    assert plain.pad_multiple == 1
+    _, sequence_parallel = batch("--tensor-model-parallel-size", "2", "--sequence-parallel")
+    assert sequence_parallel.pad_multiple == 2
+    _, context = batch(
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"
+    )
+    assert context.pad_multiple == 2 * 2 * 2
+    _, allgather_experts = batch("--expert-model-parallel-size", "2")
+    assert allgather_experts.pad_multiple == 256
+    args = parse_arguments([*CUSTOM_MODEL, "--pipeline-model-parallel-size", "2"])
+    assert args.variable_seq_lengths and args.moe_token_dispatcher_type == "alltoall"
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (("--tensor-model-parallel-size", "2"), "with MoE layers needs --sequence-parallel"),
+        (("--pipeline-model-parallel-size", "2"), "--moe-token-dispatcher-type allgather"),
+        (
+            ("--context-parallel-size", "2", "--no-shared-prefix-packing"),
+            "--context-parallel-size 2 with --no-shared-prefix-packing",
+        ),
+        (
+            (
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--shared-prefix-capacity",
+                "255",
+            ),
+            "--shared-prefix-capacity 255 must be a multiple of 2",
+        ),
+    ],
+    ids=["moe-tp-without-sp", "pipeline-allgather", "cp-dense", "sp-capacity"],
+)
+def test_parallel_flags_that_cannot_work_are_named(monkeypatch, flags, message):
+    """The tiny preset has MoE layers; each combination is refused before anything is built."""
+    from megatron.shared_prefix.training.config import ConfigError, RunConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = parse_arguments(list(flags))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RunConfig.from_args(args, trainer="megatron")
