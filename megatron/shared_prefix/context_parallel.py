@@ -1,4 +1,4 @@
-"""Context parallelism for forest rows: which tokens and loss edges each context-parallel rank holds.
+"""Context parallelism for forest rows: the tokens and loss edges each context-parallel rank holds.
 
 A row is split across ``cp`` ranks as megatron-core splits a sequence: into ``2 * cp`` equal chunks
 of the DFS-ordered row, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``. Inside attention

@@ -3,7 +3,8 @@
 This module is the one place where the project adapts its dependency at run time (see
 docs/architecture.md). Everything else swaps behaviour in through ModuleSpecs and subclasses.
 
-megatron-core 0.19.2 assumes CUDA in a few places that a CPU run reaches (docs/architecture.md, CPU enablement):
+megatron-core 0.19.2 assumes CUDA in a few places that a CPU run reaches (docs/architecture.md,
+CPU enablement):
 
 * ``torch.cuda.current_device()`` is used as an allocation device by the router, the Mamba mixer,
   RoPE and the global memory buffer;

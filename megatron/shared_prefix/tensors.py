@@ -221,7 +221,7 @@ class ForestTensors:
         sources, source_position = sources[order], source_position[order]
         owner = source_position // chunk
         counts = np.bincount(owner, minlength=sp_size)
-        width = max(int(counts.max(initial=0)), 1)
+        width = max(int(counts.max()), 1)
         rank_in_owner = (
             np.arange(len(sources)) - np.concatenate([[0], np.cumsum(counts)[:-1]])[owner]
         )

@@ -34,9 +34,9 @@ class TreeMambaMixer(MambaMixer):
     stock paths. Under context parallelism megatron-core's ``MambaContextParallel`` exchanges
     sequence for heads around the scan (``pre_conv_ssm`` / ``post_conv_ssm``), so the tree conv and
     the forked-state scan see the whole row for this rank's heads; the gate's norm then runs on this
-    rank's tokens, as in megatron-core's unfused path. The fused training kernel (``use_mamba_mem_eff_path``) computes the same function
-    (``norm(y * silu(z))``) but has no per-segment state input, so a forest always takes this path,
-    whatever that setting.
+    rank's tokens, as in megatron-core's unfused path. The fused training kernel
+    (``use_mamba_mem_eff_path``) computes the same function (``norm(y * silu(z))``) but has no
+    per-segment state input, so a forest always takes this path, whatever that setting.
 
     Args:
         tree_scan_backend: packed-scan backend of the tree scan: "auto" (mamba_ssm's Triton kernel

@@ -40,7 +40,8 @@ def _tensor_parallel_group(param: torch.nn.Parameter):
 
 
 def full_parameter_name(model: torch.nn.Module, name: str) -> str:
-    """The name ``name`` (a parameter of this rank's ``model``) has in the TP = PP = EP = 1 model."""
+    """The name that ``name`` (a parameter of this rank's ``model``) has in the TP = PP = EP = 1
+    model."""
     layer = _LAYER.match(name)
     if layer:
         global_index = model.decoder.layers[int(layer.group(1))].layer_number - 1

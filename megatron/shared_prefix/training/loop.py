@@ -344,13 +344,13 @@ class _Trainer:
         loss, grad_norm = train_step(
             self.model, step, clip_grad=self.config.schedule.clip_grad, device=self.device
         )
-        totals = dict(
-            loss=loss,
-            logical_tokens=step.logical_tokens,
-            executed_tokens=step.executed_tokens,
-            loss_tokens=step.loss_tokens,
-            micro_batches=len(step.micro_batches),
-        )
+        totals = {
+            "loss": loss,
+            "logical_tokens": step.logical_tokens,
+            "executed_tokens": step.executed_tokens,
+            "loss_tokens": step.loss_tokens,
+            "micro_batches": len(step.micro_batches),
+        }
         return totals, grad_norm
 
     def _maybe_save(self, position: TrainingPosition, metrics: StepMetrics) -> None:

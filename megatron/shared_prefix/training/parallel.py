@@ -168,7 +168,7 @@ def clip_full_gradient(model, max_norm: float) -> float:
             squares += param.main_grad.double().square().sum()
     dist.all_reduce(squares)
     norm = float(squares.sqrt())
-    if max_norm > 0 and norm > max_norm:
+    if 0 < max_norm < norm:
         scale = max_norm / (norm + 1e-6)
         for param in model.parameters():
             param.main_grad.mul_(scale)
@@ -284,12 +284,12 @@ class ParallelStepper:
             param.grad = param.main_grad
         loss, units, logical, executed, loss_tokens, micro_batches = totals.tolist()
         return (
-            dict(
-                loss=loss / max(units, 1.0),
-                logical_tokens=int(logical),
-                executed_tokens=int(executed),
-                loss_tokens=int(loss_tokens),
-                micro_batches=int(micro_batches),
-            ),
+            {
+                "loss": loss / max(units, 1.0),
+                "logical_tokens": int(logical),
+                "executed_tokens": int(executed),
+                "loss_tokens": int(loss_tokens),
+                "micro_batches": int(micro_batches),
+            },
             grad_norm,
         )

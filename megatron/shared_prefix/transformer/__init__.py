@@ -1,1 +1,1 @@
-"""Transformer building blocks the local (non-Transformer-Engine) spec needs beyond megatron-core's."""
+"""Transformer building blocks the local (non-Transformer-Engine) spec needs beyond megatron-core."""
