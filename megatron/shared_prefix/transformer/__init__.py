@@ -1,1 +1,1 @@
-"""Transformer building blocks the local (non-Transformer-Engine) spec needs beyond megatron-core."""
+"""Transformer building blocks that the local (non-TE) spec needs beyond megatron-core."""
