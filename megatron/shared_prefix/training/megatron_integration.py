@@ -99,6 +99,23 @@ def pad_rows(step: StepBatch, num_rows: int, batch: BatchConfig) -> StepBatch:
     )
 
 
+def rank_step_batch(global_batch, batch: BatchConfig, rank: int) -> StepBatch:
+    """Data-parallel rank ``rank``'s share of ``global_batch`` (a list of examples) as its
+    micro-batches: packed rows padded to the fixed count per step, or dense micro-batches."""
+    share = batch.examples_per_rank
+    step = build_step_batch(
+        global_batch[rank * share : (rank + 1) * share],
+        packing=batch.packing,
+        capacity=batch.capacity,
+        micro_batch_size=batch.micro_batch_size,
+        normalization=batch.normalization,
+        pad_multiple=batch.pad_multiple,
+    )
+    if batch.packing:
+        step = pad_rows(step, batch.micro_batches_per_step, batch)
+    return step
+
+
 class StepMeter:
     """Collects one step's counts and loss on every rank; at the step's end, reduces and reports.
 
@@ -235,20 +252,9 @@ class RowIterator:
 
     def _next_step(self) -> StepBatch:
         """This rank's micro-batches of the next global batch (padded to the fixed count)."""
-        share = self.batch.examples_per_rank
-        examples = self.stream.global_batch(self.consumed_samples)[
-            self.rank * share : (self.rank + 1) * share
-        ]
-        step = build_step_batch(
-            examples,
-            packing=self.batch.packing,
-            capacity=self.batch.capacity,
-            micro_batch_size=self.batch.micro_batch_size,
-            normalization=self.batch.normalization,
-            pad_multiple=self.batch.pad_multiple,
+        step = rank_step_batch(
+            self.stream.global_batch(self.consumed_samples), self.batch, self.rank
         )
-        if self.batch.packing:
-            step = pad_rows(step, self.batch.micro_batches_per_step, self.batch)
         self.consumed_samples += self.batch.global_batch_size
         self.meter.begin_step(step)
         return step

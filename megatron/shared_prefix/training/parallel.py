@@ -27,8 +27,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from megatron.shared_prefix.training.batching import StepBatch, build_step_batch
 from megatron.shared_prefix.training.config import BatchConfig
+from megatron.shared_prefix.training.megatron_integration import rank_step_batch
 from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
@@ -201,24 +201,6 @@ class ParallelStepper:
         self.data_parallel_group = parallel_state.get_data_parallel_group()
         self.context_parallel_group = parallel_state.get_context_parallel_group()
 
-    def rows(self, examples) -> StepBatch:
-        """This data-parallel rank's share of a global batch, as the fixed number of rows."""
-        from megatron.shared_prefix.training.megatron_integration import pad_rows
-
-        share = self.batch.examples_per_rank
-        mine = examples[self.data_parallel_rank * share : (self.data_parallel_rank + 1) * share]
-        step = build_step_batch(
-            mine,
-            packing=self.batch.packing,
-            capacity=self.batch.capacity,
-            micro_batch_size=self.batch.micro_batch_size,
-            normalization=self.batch.normalization,
-            pad_multiple=self.batch.pad_multiple,
-        )
-        if self.batch.packing:
-            step = pad_rows(step, self.batch.micro_batches_per_step, self.batch)
-        return step
-
     def step(self, examples, clip_grad: float) -> tuple[dict, float]:
         """Gradients of one global batch in every parameter's ``.grad`` (clipped).
 
@@ -230,7 +212,7 @@ class ParallelStepper:
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        step = self.rows(examples)
+        step = rank_step_batch(examples, self.batch, self.data_parallel_rank)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
         cp_group = self.context_parallel_group
