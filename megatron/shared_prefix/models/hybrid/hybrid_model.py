@@ -122,8 +122,9 @@ class SharedPrefixHybridModel(HybridModel):
         """[T, 1, 1, D] rotary table rows gathered by each token's position (not packed index)."""
         if self.position_embedding_type != "rope":
             return None
-        # The whole table (no context-parallel slicing): rows are gathered for this rank's tokens.
-        table = self.rotary_pos_emb.get_emb(int(forest.layout.position_ids.max()) + 1)
+        # The whole table, cached by RotaryEmbedding: a packed row is not sliced for context
+        # parallelism there; the rows of this rank's tokens are gathered below.
+        table = self.rotary_pos_emb(int(forest.layout.position_ids.max()) + 1, packed_seq=True)
         positions = forest.position_ids[0].index_select(0, self._context_parallel_tokens(forest))
         return table.index_select(0, positions)
 
