@@ -3,11 +3,15 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The checkout root (the directory holding tests/unit_tests), wherever this file is moved to.
+REPO = str(
+    next(p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir())
+)
 
 
 def run_python(code):
@@ -47,7 +51,7 @@ def test_mixer_binds_the_torch_fallback_when_mamba_ssm_is_missing():
     result = run_python(
         "import importlib.util, sys\n"
         "if importlib.util.find_spec('mamba_ssm') is not None: sys.exit(0)\n"
-        "import megatron.shared_prefix.models.hybrid\n"
+        "import megatron.shared_prefix.models.hybrid.hybrid_layer_specs\n"
         "from megatron.core.ssm import mamba_mixer\n"
         "from megatron.shared_prefix.ssm import torch_ssd\n"
         "assert mamba_mixer.HAVE_MAMBA_SSM\n"

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,10 @@ from megatron.shared_prefix.training.arguments import (
     uses_tiny_model,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# The checkout root (the directory holding tests/unit_tests), wherever this file is moved to.
+REPO = str(
+    next(p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir())
+)
 
 CUSTOM_MODEL = [
     "--hybrid-layer-pattern",

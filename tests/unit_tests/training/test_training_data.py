@@ -1,6 +1,7 @@
 """JSONL records, their errors, the capacity rule and the built-in dataset (host side, no model)."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,10 @@ from megatron.shared_prefix.training.data import (
     parse_record,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# The checkout root (the directory holding tests/unit_tests), wherever this file is moved to.
+REPO = str(
+    next(p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir())
+)
 
 
 def load(path, capacity=64, drop_overlong=False, vocab_size=64):

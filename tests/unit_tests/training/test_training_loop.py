@@ -3,6 +3,7 @@
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -226,8 +227,8 @@ def test_load_of_the_save_directory_may_not_exist_yet(train, tmp_path):
 
 
 def test_jsonl_sft_and_rl_examples_train(train):
-    repo = os.path.dirname(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = next(
+        p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir()
     )
     for name in ("sft.jsonl", "rl.jsonl"):
         history, lines = train(

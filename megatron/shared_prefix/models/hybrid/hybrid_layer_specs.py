@@ -15,6 +15,14 @@ megatron-core.
 from functools import partial
 from typing import Optional
 
+from megatron.shared_prefix.cpu import install_mamba_ssm_fallback
+
+# megatron-core's Mamba mixer binds mamba_ssm's kernels when it is first imported (below): provide
+# the pure-torch fallback first where mamba_ssm is missing. The package __init__ does it too, but
+# this module must not depend on which package imported it first.
+install_mamba_ssm_fallback()
+
+# pylint: disable=wrong-import-position
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
