@@ -1,0 +1,515 @@
+"""The upstream PR stack: where each file of this repository lands in Megatron-LM, and in which PR.
+
+tools/export_pr_stack.py builds the stack from this module alone, and docs/upstreaming.md is
+generated from it (``export_pr_stack.py --write-docs``; CI runs ``--check-docs``), so the map that
+reviewers read is the map that the exporter applies.
+
+* ``PULL_REQUESTS``: the stack, in dependency order; each becomes one commit and one patch.
+* ``RULES``: source path (a file, or a directory ending in "/") -> upstream path, PR. The most
+  specific rule wins: a file rule over its directory's rule, a deeper directory over a shallower
+  one. A directory rule also places files added to that directory later. Every file under
+  ``SCOPE`` must match a rule, or the export fails naming it: a new module cannot be dropped from
+  the stack silently. ``target=None`` keeps a file out of the stack; its ``note`` says why.
+* ``UPSTREAM_EDITS``: the in-place changes to upstream files, each anchored on a short string the
+  exporter must find exactly once (else it fails naming the file and the anchor).
+
+Standard library only (the exporter runs before anything is installed).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """One PR of the stack: the commit message's title and prose.
+
+    The exporter adds what it can measure: the dependencies (from the imports between PRs), the
+    test files with their test counts and the commands that run them, and the diffstat.
+    """
+
+    number: int
+    slug: str
+    title: str
+    summary: str
+    validation: str
+    limitations: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Where a source file (or every file of a source directory) lands upstream.
+
+    source: repository-relative path; a directory ends in "/".
+    target: upstream path (a directory ends in "/", like its source), or None: not exported.
+    pr: number of the PR that adds it (None with target=None).
+    note: how it plugs in upstream, or why it is not exported.
+    """
+
+    source: str
+    target: Optional[str]
+    pr: Optional[int]
+    note: str
+
+
+@dataclass(frozen=True)
+class UpstreamEdit:
+    """An in-place change of an upstream file, made by replacing ``anchor`` (found exactly once).
+
+    path: upstream path of the file.
+    pr: the PR that makes the change.
+    anchor: text the file must contain exactly once; the exporter fails naming file and anchor if
+        it does not (upstream moved: see docs/upstreaming.md, "When an anchor fails").
+    replacement: what replaces the anchor (normally the anchor plus the inserted lines).
+    note: what the change does, for docs/upstreaming.md.
+    when_missing: the content of the file when the base does not have it at all (the installed
+        megatron-core wheel has no pretrain_hybrid.py or tests/); None: a missing file is an error.
+    """
+
+    path: str
+    pr: int
+    anchor: str
+    replacement: str
+    note: str
+    when_missing: Optional[str] = None
+
+
+# Files the map must account for (directories end in "/").
+SCOPE = ("megatron/shared_prefix/", "tests/", "tools/", "examples/", "pretrain_hybrid.py")
+
+PULL_REQUESTS = (
+    PullRequest(
+        1,
+        "planner-and-layout",
+        "Shared-prefix packing: prefix-forest planner and ForestLayout",
+        "Adds megatron/core/models/hybrid/shared_prefix/ with the host-side half of shared-prefix "
+        "training. plan_shared_prefix(sequences, loss_masks, capacity=...) builds the trie of a "
+        "batch (GRPO groups, agent trajectories, SFT chats that share prefixes), compresses it into "
+        "segments in DFS order and packs trees into rows of at most `capacity` tokens, splitting "
+        "oversized trees at branch points. Each row is an immutable ForestLayout: packed tokens, "
+        "original position ids, segments, token multiplicities and one loss edge per supervised "
+        "target; SharedPrefixPlan.unpack_edges maps per-edge values back to the sequences. numpy "
+        "only: nothing here imports torch.",
+        "On a 2-core host (tools/bench_planner.py, numpy inputs, capacity 16384): a 64K-token GRPO "
+        "batch plans in 0.98 ms (median of 21), a 1M-token batch in 25.6 ms; targets 5 ms / 50 ms.",
+        "A tree larger than `capacity` is split at branch points and repeats its ancestor path in "
+        "each part; a single chain longer than `capacity` is an error naming the sequence.",
+    ),
+    PullRequest(
+        2,
+        "forest-tensors-and-recompute-scope",
+        "Shared-prefix packing: forest tensors and a forest scope that survives recompute",
+        "ForestTensors copies a ForestLayout to the device once per forward, with the tables the "
+        "layers share (the tree mask `k <= q < token_subtree_end[k]`, distinct edge sources, cached "
+        "key blocks and root-path predecessors). forest_scope() publishes it through a contextvars "
+        "variable, so megatron-core's layer call signatures stay unchanged: a tree-aware submodule "
+        "reads current_forest() and is exactly the stock module when none is in scope. "
+        "megatron/core/tensor_parallel/shared_prefix/random.py brackets the stack with two identity "
+        "autograd nodes that re-open the scope in the backward pass, so activation recompute "
+        "(CheckpointFunction re-running layers inside backward) sees the same forest; no change to "
+        "CheckpointFunction itself.",
+        "Scope nesting, reset on error and the recompute brackets are unit-tested on CPU; the "
+        "recompute path is exercised end to end by the HybridModel tests of the integration PR.",
+        "One forest per forward: nested forests in one scope are not supported.",
+    ),
+    PullRequest(
+        3,
+        "mamba-fork",
+        "Mamba on prefix forests: tree conv, forked-state scan and TreeMambaMixer",
+        "TreeMambaMixer (megatron/core/ssm/shared_prefix/), selected as the Mamba layer spec's "
+        "mixer, follows each token's root path: tree_conv.py runs one causal conv over the packed "
+        "row and recomputes the first d_conv - 1 tokens of every segment from their root-path "
+        "window; tree_scan.py runs one packed scan with seq_idx = segment plus the exact linear "
+        "correction C_t . exp(cum_t) h_parent_end for the tokens of every child, parents first. On "
+        "CUDA the packed scan is mamba_ssm's Triton kernel and the correction our Triton kernels "
+        "(triton_inherited_state.py, a fixed number of launches per layer); elsewhere torch_ssd.py, "
+        "a pure-torch SSD that is also the kernels' oracle. cpu.py makes HybridModel build and "
+        "train without CUDA (and registers torch_ssd under mamba_ssm's names when mamba_ssm is "
+        "absent); distributed.py sets up the one-process world that CPU tests and the "
+        "single-process trainer use.",
+        "H200, bf16, hidden 2048, 64 heads (tools/bench_mamba.py --repeats 5): the tree layer takes "
+        "1.09-1.10x the time of a varlen scan over the same packed tokens and is 3.6-6.3x faster "
+        "than the dense batch on the three benchmark forests.",
+        "The fused training kernel (use_mamba_mem_eff_path) has no per-segment state input, so a "
+        "forest always takes the unfused path. Context parallelism (cp_size > 1) is rejected.",
+    ),
+    PullRequest(
+        4,
+        "tree-attention",
+        "Tree attention: DotProductAttention over each token's root path",
+        "TreeDotProductAttention (megatron/core/transformer/tree_attention/), selected as the "
+        "attention layer spec's core_attention, runs tree attention when a forest is in scope and "
+        "is DotProductAttention otherwise. Two backends share one mask: torch_backend (block-sparse "
+        "over the keys each query block can see; CPU, and the oracle) and flex_backend "
+        "(FlexAttention with a block mask built from the forest; CUDA). Rows run at their length "
+        "rounded up to 128: a length that is a bucket (<= 4 per octave) runs a kernel compiled with "
+        "static shapes, every other length one dynamic-shape kernel (IS_DIVISIBLE), so a run "
+        "compiles once per bucket it meets, however row lengths vary.",
+        "H200, bf16, forward+backward, 5 benchmark forests (tools/bench_attention.py --repeats 10 "
+        "--rounds 3): tree/flex static 0.96-1.00, tree/flex dynamic 0.74-0.78, speedup over dense "
+        "SDPA 0.93-3.36x; static and dynamic kernels agree bitwise (GPU test).",
+        "Causal self-attention only: no sliding window, softcapping, attention bias or MLA. The "
+        "FlexAttention path needs CUDA; CPU uses the torch backend.",
+    ),
+    PullRequest(
+        5,
+        "moe-multiplicities",
+        "MoE on prefix forests: routing statistics weighted by token multiplicity",
+        "TreeTopKRouter (megatron/core/transformer/moe/shared_prefix/), selected as the MoE spec's "
+        "router, counts every packed token once per sequence through it: int64 expert-bias counts, "
+        "and aux / seq-aux / global-aux and z losses equal to those of the dense micro-batch "
+        "holding the row's sequences (values and gradients). The gating GEMM runs in fixed row "
+        "blocks, so a token's routing does not depend on where it is packed. tree_moe_module_spec "
+        "is get_moe_module_spec with that router; validation.py names router settings a forest "
+        "cannot reproduce.",
+        "Every statistic is checked against a dense-expansion oracle (reference.py) and against a "
+        "dense MoE model on random forests (depth 1..4).",
+        "Token dropping (capacity factor) and router settings that see the packed row as one "
+        "sequence are rejected with the setting named.",
+    ),
+    PullRequest(
+        6,
+        "hybrid-model-integration",
+        "HybridModel runs prefix forests: forward(..., shared_prefix_layout=layout)",
+        "HybridModel.forward gains `shared_prefix_layout`: with a ForestLayout it hands the call to "
+        "shared_prefix/hybrid_model.py:forest_forward, which validates configuration and "
+        "arguments (validation.py: every reason the forward could not be exact is a ValueError "
+        "naming the setting), runs the embedding and the stack over the packed row inside the "
+        "forest scope, gathers hidden states at the distinct edge sources before the output "
+        "layer and returns the float32 cross entropy of every loss edge. hybrid_stack_spec() "
+        "selects the tree-aware submodules of PRs 3-5 (and builds without Transformer Engine). "
+        "The public API is megatron.core.models.hybrid.shared_prefix: plan_shared_prefix, "
+        "SharedPrefixPlan, ForestLayout, hybrid_stack_spec, enable_cpu (SharedPrefixHybridModel "
+        "remains as HybridModel plus a check that every pattern layer has a module).",
+        "Model-level parity on random forests (depth 1..4, single-token segments, skewed siblings): "
+        "per-edge losses and gradients equal to dense training within the tolerances of the "
+        "tests (float32 on CPU), with M, *, -, E layers, tied and untied embeddings, activation "
+        "recompute.",
+        "Tensor, pipeline and context parallelism, CUDA graphs, FP8/FP4, dropout, MTP loss and "
+        "inference caches are rejected by validation with the setting named.",
+    ),
+    PullRequest(
+        7,
+        "determinism-gate",
+        "Kernel determinism manifest, coverage checker and CI gate",
+        "tests/unit_tests/determinism/kernels/manifest.py registers every file of this stack that "
+        "launches a kernel or uses an order-sensitive op, with the bitwise replay tests "
+        "(determinism/replay.py) that pin it. tools/check_kernel_determinism_coverage.py fails when "
+        "a kernel-bearing file is unregistered, a registered test does not exist, or (with "
+        "--base-ref) a kernel source changed without one of its tests changing; "
+        ".github/workflows/kernel-determinism.yml runs it on pull requests.",
+        "The checker's rules are unit-tested on temporary git repositories; on this stack "
+        "`python tools/check_kernel_determinism_coverage.py --base-ref <base>` passes.",
+        "GPU replays (FlexAttention, Triton forked-state kernels, mamba_ssm) run only with CUDA; "
+        "on CPU the torch paths and the block-mask construction are replayed.",
+    ),
+    PullRequest(
+        8,
+        "training-entry-and-data",
+        "pretrain_hybrid.py --shared-prefix-packing: data, batching, loss and trainers",
+        "megatron/training/shared_prefix/ trains HybridModel on prefix forests: JSONL SFT and RL "
+        "records (or a built-in dataset), batching into planned rows with per-target loss "
+        "coefficients (token / sequence normalization, RL weights), the model from Megatron's "
+        "flags, megatron.training providers and forward step, a single-process loop for CPU, "
+        "metrics and checkpoints. pretrain_hybrid.py hands any --shared-prefix-* invocation to it "
+        "before its own imports; without those flags it is unchanged.",
+        "`python pretrain_hybrid.py --shared-prefix-packing --train-iters 20` trains the built-in "
+        "tiny model on CPU; the training tests cover the flags, data errors, batching, loss "
+        "normalization, the loop and the megatron.training integration.",
+        "One global batch maps onto Megatron's fixed micro-batch count by padding with one-token "
+        "empty rows. Without CUDA only the single-process loop runs.",
+    ),
+)
+
+_HYBRID = "megatron/core/models/hybrid/shared_prefix/"
+_HYBRID_TESTS = "tests/unit_tests/models/hybrid/shared_prefix/"
+
+RULES = (
+    # PR 1: planner and layout.
+    Rule(
+        "megatron/shared_prefix/__init__.py",
+        _HYBRID + "__init__.py",
+        1,
+        "the public API; each PR's commit lists the names whose modules exist at that commit",
+    ),
+    Rule("megatron/shared_prefix/layout.py", _HYBRID + "layout.py", 1, "plain data"),
+    Rule("megatron/shared_prefix/planning.py", _HYBRID + "planning.py", 1, "plain data"),
+    Rule("tests/unit_tests/test_layout.py", _HYBRID_TESTS + "test_layout.py", 1, "test"),
+    Rule("tests/unit_tests/test_planning.py", _HYBRID_TESTS + "test_planning.py", 1, "test"),
+    # PR 2: forest tensors and recompute scope.
+    Rule(
+        "megatron/shared_prefix/tensors.py",
+        _HYBRID + "tensors.py",
+        2,
+        "contextvars scope read by the tree-aware submodules",
+    ),
+    Rule(
+        "megatron/shared_prefix/tensor_parallel/",
+        "megatron/core/tensor_parallel/shared_prefix/",
+        2,
+        "autograd brackets around the stack; CheckpointFunction unchanged",
+    ),
+    # PR 3: Mamba fork, CPU enablement, test fixtures.
+    Rule(
+        "megatron/shared_prefix/ssm/",
+        "megatron/core/ssm/shared_prefix/",
+        3,
+        "mixer submodule of the Mamba layer spec, and its ops",
+    ),
+    Rule(
+        "megatron/shared_prefix/cpu.py",
+        _HYBRID + "cpu.py",
+        3,
+        "run-time CPU adaptation (upstream would guard the CUDA-only calls instead)",
+    ),
+    Rule(
+        "megatron/shared_prefix/training/distributed.py",
+        _HYBRID + "distributed.py",
+        3,
+        "torch.distributed and parallel state outside megatron.training (tests, loop trainer)",
+    ),
+    Rule("tests/unit_tests/ssm/", "tests/unit_tests/ssm/shared_prefix/", 3, "tests"),
+    Rule(
+        "tests/conftest.py",
+        "tests/unit_tests/shared_prefix_fixtures.py",
+        3,
+        "fixtures of the shared-prefix tests, imported by tests/unit_tests/conftest.py",
+    ),
+    # PR 4: tree attention.
+    Rule(
+        "megatron/shared_prefix/attention/",
+        "megatron/core/transformer/tree_attention/",
+        4,
+        "core_attention submodule of the attention layer spec",
+    ),
+    Rule("tests/unit_tests/attention/", "tests/unit_tests/transformer/tree_attention/", 4, "tests"),
+    Rule("tests/unit_tests/test_tensors.py", _HYBRID_TESTS + "test_tensors.py", 4, "test"),
+    # PR 5: MoE multiplicities.
+    Rule(
+        "megatron/shared_prefix/moe/",
+        "megatron/core/transformer/moe/shared_prefix/",
+        5,
+        "router submodule of the MoE spec",
+    ),
+    Rule("tests/unit_tests/moe/", "tests/unit_tests/transformer/moe/shared_prefix/", 5, "tests"),
+    Rule("tests/unit_tests/tiny.py", _HYBRID_TESTS + "tiny.py", 5, "tiny test configs"),
+    Rule(
+        "tests/unit_tests/determinism/__init__.py",
+        "tests/unit_tests/determinism/__init__.py",
+        5,
+        "test package",
+    ),
+    Rule(
+        "tests/unit_tests/determinism/replay.py",
+        "tests/unit_tests/determinism/replay.py",
+        5,
+        "bitwise replay harness, first used by the router tests",
+    ),
+    Rule(
+        "tests/unit_tests/determinism/test_replay_harness.py",
+        "tests/unit_tests/determinism/test_replay_harness.py",
+        5,
+        "test",
+    ),
+    # PR 6: HybridModel integration and validation.
+    Rule(
+        "megatron/shared_prefix/models/hybrid/",
+        _HYBRID,
+        6,
+        "forest forward called by HybridModel.forward, stack, specs, validation",
+    ),
+    Rule(
+        "megatron/shared_prefix/models/__init__.py",
+        None,
+        None,
+        "package docstring only; megatron/core/models/__init__.py exists upstream",
+    ),
+    Rule(
+        "megatron/shared_prefix/models/hybrid/__init__.py",
+        None,
+        None,
+        "installs the mamba_ssm fallback on import; upstream the modules that import the Mamba "
+        "mixer do it themselves",
+    ),
+    Rule("tests/unit_tests/models/hybrid/", _HYBRID_TESTS, 6, "tests"),
+    Rule("tests/unit_tests/test_cpu.py", _HYBRID_TESTS + "test_cpu.py", 6, "test"),
+    # PR 7: determinism manifest, checker and CI gate.
+    Rule("tests/unit_tests/determinism/", "tests/unit_tests/determinism/", 7, "manifest, replays"),
+    Rule(
+        "tools/check_kernel_determinism_coverage.py",
+        "tools/check_kernel_determinism_coverage.py",
+        7,
+        "CI gate",
+    ),
+    Rule("tests/unit_tests/tools/__init__.py", "tests/unit_tests/tools/__init__.py", 7, "package"),
+    Rule(
+        "tests/unit_tests/tools/test_check_kernel_determinism_coverage.py",
+        "tests/unit_tests/tools/test_check_kernel_determinism_coverage.py",
+        7,
+        "test",
+    ),
+    # PR 8: training entry and data.
+    Rule(
+        "megatron/shared_prefix/training/",
+        "megatron/training/shared_prefix/",
+        8,
+        "data, batching, loss, trainers for pretrain_hybrid.py",
+    ),
+    Rule(
+        "pretrain_hybrid.py",
+        "megatron/training/shared_prefix/pretrain.py",
+        8,
+        "entry point; upstream pretrain_hybrid.py hands --shared-prefix-* runs to it",
+    ),
+    Rule("examples/", "examples/", 8, "JSONL examples of docs/data.md, read by the training tests"),
+    Rule("tests/unit_tests/training/", "tests/unit_tests/training/shared_prefix/", 8, "tests"),
+    # Not exported.
+    Rule(
+        "tests/unit_tests/test_packaging.py",
+        None,
+        None,
+        "tests this repository's wheel next to megatron-core; upstream is megatron-core itself",
+    ),
+    Rule(
+        "tools/",
+        None,
+        None,
+        "benchmarks and the exporter stay here; commit messages quote the benchmark numbers",
+    ),
+    Rule(
+        "tests/unit_tests/tools/test_export_pr_stack.py",
+        None,
+        None,
+        "tests the exporter, which is not part of the stack",
+    ),
+)
+
+# Inserted into upstream's pretrain_hybrid.py before its imports (and the whole file where the base
+# has none, as the megatron-core wheel): runs with --shared-prefix-* flags go to our entry point.
+_PRETRAIN_HOOK = '''
+import sys
+
+# Shared-prefix training (megatron/training/shared_prefix/) has its own data, prefix-forest batching
+# and loss; any --shared-prefix-* flag selects it, before the imports below.
+if any(arg.startswith(("--shared-prefix-", "--no-shared-prefix-")) for arg in sys.argv[1:]):
+    from megatron.core.models.hybrid.shared_prefix.cpu import install_mamba_ssm_fallback
+
+    # megatron.training imports the Mamba mixer, which binds mamba_ssm's kernels at import.
+    install_mamba_ssm_fallback()
+    from megatron.training.shared_prefix.pretrain import main as shared_prefix_main
+
+    shared_prefix_main()
+    sys.exit(0)
+'''
+
+_PRETRAIN_ANCHOR = "_PROGRAM_START_TIME = time.time()\n"
+
+_FORWARD_SIGNATURE_ANCHOR = (
+    "        padding_mask: Optional[Tensor] = None,\n"
+    "    ) -> Tensor:\n"
+    '        """Forward function of the Hybrid model.'
+)
+_FORWARD_DOCSTRING_ANCHOR = (
+    "        It either returns the Loss values if labels are given or the final hidden units\n"
+    '        """\n'
+)
+
+_FIXTURES_IMPORT = (
+    "# Fixtures and hooks of the shared-prefix tests (gpu marker, megatron_world, forests).\n"
+    "from tests.unit_tests.shared_prefix_fixtures import *  # noqa: F401,F403\n"
+)
+
+UPSTREAM_EDITS = (
+    UpstreamEdit(
+        "tests/unit_tests/conftest.py",
+        3,
+        anchor="",
+        replacement="\n" + _FIXTURES_IMPORT,
+        note="imports the shared-prefix fixtures (appended)",
+        when_missing=_FIXTURES_IMPORT,
+    ),
+    UpstreamEdit(
+        "megatron/core/models/hybrid/hybrid_model.py",
+        6,
+        anchor=_FORWARD_SIGNATURE_ANCHOR,
+        replacement=_FORWARD_SIGNATURE_ANCHOR.replace(
+            "    ) -> Tensor:\n", "        shared_prefix_layout=None,\n    ) -> Tensor:\n"
+        ),
+        note="HybridModel.forward takes shared_prefix_layout",
+    ),
+    UpstreamEdit(
+        "megatron/core/models/hybrid/hybrid_model.py",
+        6,
+        anchor=_FORWARD_DOCSTRING_ANCHOR,
+        replacement=_FORWARD_DOCSTRING_ANCHOR.replace(
+            '        """\n',
+            "\n"
+            "        With ``shared_prefix_layout`` (a ForestLayout of a packed prefix forest, see\n"
+            "        megatron.core.models.hybrid.shared_prefix) it returns the [E] float32 loss of\n"
+            "        every loss edge of the row instead; the layout defines masks and labels.\n"
+            '        """\n'
+            "        if shared_prefix_layout is not None:\n"
+            "            from megatron.core.models.hybrid.shared_prefix.hybrid_model import (\n"
+            "                forest_forward,\n"
+            "            )\n"
+            "\n"
+            "            return forest_forward(\n"
+            "                self,\n"
+            "                shared_prefix_layout,\n"
+            "                runtime_gather_output=runtime_gather_output,\n"
+            "                input_ids=input_ids,\n"
+            "                position_ids=position_ids,\n"
+            "                attention_mask=attention_mask,\n"
+            "                decoder_input=decoder_input,\n"
+            "                labels=labels,\n"
+            "                inference_context=inference_context,\n"
+            "                inference_params=inference_params,\n"
+            "                loss_mask=loss_mask,\n"
+            "                packed_seq_params=packed_seq_params,\n"
+            "                padding_mask=padding_mask,\n"
+            "            )\n",
+        ),
+        note="with a layout, HybridModel.forward returns forest_forward(...)",
+    ),
+    UpstreamEdit(
+        "pretrain_hybrid.py",
+        8,
+        anchor=_PRETRAIN_ANCHOR,
+        replacement=_PRETRAIN_ANCHOR + _PRETRAIN_HOOK,
+        note="--shared-prefix-* runs go to megatron.training.shared_prefix.pretrain",
+        when_missing=(
+            '"""Pretrain Hybrid with shared-prefix packing.\n\n'
+            "This tree was exported against the megatron-core wheel, which ships no pretrain_hybrid.py:\n"
+            "only the shared-prefix entry below exists here. Against a Megatron-LM checkout the same\n"
+            'block is inserted into upstream\'s pretrain_hybrid.py."""\n'
+            + _PRETRAIN_HOOK
+            + '\nsys.exit("pretrain_hybrid.py: only --shared-prefix-* runs exist in this tree")\n'
+        ),
+    ),
+)
+
+# New files that are not moved from this repository: the CI gate of PR 7.
+GENERATED_FILES = {
+    ".github/workflows/kernel-determinism.yml": (
+        7,
+        "name: kernel-determinism\n"
+        "\n"
+        "on:\n"
+        "  pull_request:\n"
+        "\n"
+        "jobs:\n"
+        "  coverage:\n"
+        "    runs-on: ubuntu-latest\n"
+        "    steps:\n"
+        "      - uses: actions/checkout@v4\n"
+        "        with:\n"
+        "          fetch-depth: 0\n"
+        "      - uses: actions/setup-python@v5\n"
+        "        with:\n"
+        '          python-version: "3.12"\n'
+        "      - name: Every kernel-bearing file has a bitwise replay test\n"
+        "        run: |\n"
+        "          base=$(git merge-base origin/${{ github.base_ref }} HEAD)\n"
+        '          python tools/check_kernel_determinism_coverage.py --base-ref "$base"\n',
+    ),
+}
