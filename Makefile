@@ -1,12 +1,13 @@
 # Quick start: `make test` runs the test suite, `make train` trains the built-in tiny model,
-# `make test-gpu` runs the gpu-marked tests on a CUDA machine.
-# Both create .venv (Python >= 3.12, preferring 3.12, from PATH or pyenv) and install the project on first use.
+# `make test-gpu` runs the gpu-marked tests on a CUDA machine, `make export-check` exports the
+# upstream PR stack and tests the exported tree (docs/upstreaming.md).
+# All of them create .venv (Python >= 3.12, preferring 3.12, from PATH or pyenv) and install the project on first use.
 
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-gpu train
+.PHONY: test test-gpu train export-check
 
 $(PY):
 	@python=""; \
@@ -36,3 +37,6 @@ test-gpu: $(STAMP)
 
 train: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) pretrain_hybrid.py --shared-prefix-packing
+
+export-check: $(STAMP)
+	$(PY) tools/check_pr_stack.py

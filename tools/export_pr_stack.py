@@ -50,6 +50,8 @@ HYBRID_MODEL_SOURCE = "megatron/shared_prefix/models/hybrid/hybrid_model.py"
 EXTENSION_MODULE = re.compile(r"megatron\.shared_prefix(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 EXTENSION_PATH = re.compile(r"megatron/shared_prefix(?:/[A-Za-z0-9_][A-Za-z0-9_.]*)*/?")
 LEFTOVER = re.compile(r"megatron[./]shared_prefix")
+# One entry of the public API's lazy-import table: '    "name": "module",'.
+API_ENTRY = re.compile(r'^\s+"(\w+)": "([\w.]+)",\n', re.M)
 DOCS_BEGIN = "<!-- BEGIN GENERATED {name}: tools/export_pr_stack.py --write-docs -->"
 DOCS_END = "<!-- END GENERATED {name} -->"
 
@@ -168,6 +170,18 @@ def plan_export(paths):
     return plan
 
 
+def add_api_names(plan, source_root):
+    """Count ``from <API package> import NAME`` as an import of NAME's module (for bisection)."""
+    if API_PACKAGE_SOURCE not in plan.paths:
+        return
+    package = module_name(plan.paths[API_PACKAGE_SOURCE])
+    text = (source_root / API_PACKAGE_SOURCE).read_text(encoding="utf-8")
+    for name, module in API_ENTRY.findall(text):
+        pr = plan.module_pr.get(rewrite_names(module, plan, API_PACKAGE_SOURCE))
+        if pr is not None:
+            plan.module_pr[f"{package}.{name}"] = pr
+
+
 # ------------------------------------------------------------------------------------------------
 # Rewriting
 
@@ -265,21 +279,22 @@ def drop_method(text, class_name, method, where):
 
 def staged_api(text, plan, pr, where):
     """The public API table with only the names whose modules exist at ``pr``."""
-    entry = re.compile(r'^\s+"(\w+)": "([\w.]+)",\n', re.M)
-    if not entry.search(text):
+    if not API_ENTRY.search(text):
         raise ExportError(f"{where}: no _EXPORTS entries of the form '    \"name\": \"module\",'")
 
     def keep(match):
         return match.group(0) if plan.module_pr.get(match.group(2), 0) <= pr else ""
 
-    return entry.sub(keep, text)
+    return API_ENTRY.sub(keep, text)
 
 
 def governed_paths(plan, base_files):
-    """Our new source directories (and files outside them) for the exported manifest."""
+    """The exported manifest's GOVERNED_PATHS: the new directories our modules land in (and any
+    module of ours that lands in an upstream directory), never upstream's own kernel files."""
     governed = set()
     for exported in plan.files:
-        if exported.target.startswith("tests/") or not exported.target.endswith(".py"):
+        ours = exported.source.startswith("megatron/") or exported.source == "pretrain_hybrid.py"
+        if not ours or not exported.target.endswith(".py"):
             continue
         directory = posixpath.dirname(exported.target)
         new_dir = not any(f.startswith(directory + "/") for f in base_files)
@@ -596,6 +611,7 @@ def export(out, base, source_root=ROOT, signoff=None):
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty")
     plan = plan_export(source_files(source_root))
+    add_api_names(plan, source_root)
     listing = base_listing(base)
     base_files = set(listing)
     collisions = [f"{f.source} -> {f.target}" for f in plan.files if f.target in base_files]

@@ -332,6 +332,12 @@ RULES = (
         "mixer do it themselves",
     ),
     Rule("tests/unit_tests/models/hybrid/", _HYBRID_TESTS, 6, "tests"),
+    Rule(
+        "tests/unit_tests/moe/test_moe_forest_model.py",
+        "tests/unit_tests/transformer/moe/shared_prefix/test_moe_forest_model.py",
+        6,
+        "MoE HybridModel against the dense batch",
+    ),
     Rule("tests/unit_tests/test_cpu.py", _HYBRID_TESTS + "test_cpu.py", 6, "test"),
     # PR 7: determinism manifest, checker and CI gate.
     Rule("tests/unit_tests/determinism/", "tests/unit_tests/determinism/", 7, "manifest, replays"),

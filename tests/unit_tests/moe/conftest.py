@@ -1,4 +1,4 @@
-"""Tiny MoE configs, routers and models for the MoE tests (CPU, float32)."""
+"""Tiny MoE configs and routers for the MoE tests (CPU, float32)."""
 
 import pytest
 import torch
@@ -44,26 +44,6 @@ def build_router(megatron_world):
                 router.expert_bias.normal_(std=0.1)
         router.set_layer_number(1)
         return router.train()
-
-    return build
-
-
-@pytest.fixture
-def build_model(megatron_world):
-    """``build_model(pattern, seed=0, **config)`` -> SharedPrefixHybridModel from hybrid_stack_spec."""
-    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
-
-    def build(pattern, *, seed=0, **config):
-        config.setdefault("num_layers", len(pattern))
-        torch.manual_seed(seed)
-        return SharedPrefixHybridModel(
-            moe_config(**config),
-            hybrid_stack_spec=hybrid_stack_spec(4, mamba_chunk_size=8),
-            vocab_size=64,
-            max_sequence_length=512,
-            hybrid_layer_pattern=pattern,
-            position_embedding_type="rope",
-        )
 
     return build
 

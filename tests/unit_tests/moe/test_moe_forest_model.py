@@ -12,9 +12,9 @@ import pytest
 import torch
 from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
-from megatron.shared_prefix.moe import TreeTopKRouter
+from megatron.shared_prefix.moe import TreeTopKRouter, moe_router_errors
 
-from .conftest import ALL_AUX_LOSSES, EXPERT_BIAS
+from .conftest import ALL_AUX_LOSSES, EXPERT_BIAS, moe_config
 from .forests import dense_gather_index, relative_error, root_paths, shared_padded_row
 
 CASES = [
@@ -25,6 +25,26 @@ CASES = [
     ("M*-ME", "allgather", "expert_bias"),
 ]
 ROUTING = {"expert_bias": dict(ALL_AUX_LOSSES, **EXPERT_BIAS), "softmax": dict(ALL_AUX_LOSSES)}
+
+
+@pytest.fixture
+def build_model(megatron_world):
+    """``build_model(pattern, seed=0, **config)`` -> SharedPrefixHybridModel from hybrid_stack_spec."""
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+
+    def build(pattern, *, seed=0, **config):
+        config.setdefault("num_layers", len(pattern))
+        torch.manual_seed(seed)
+        return SharedPrefixHybridModel(
+            moe_config(**config),
+            hybrid_stack_spec=hybrid_stack_spec(4, mamba_chunk_size=8),
+            vocab_size=64,
+            max_sequence_length=512,
+            hybrid_layer_pattern=pattern,
+            position_embedding_type="rope",
+        )
+
+    return build
 
 
 def _routers(model):
@@ -175,3 +195,6 @@ def test_hybrid_stack_spec_routes_with_tree_router(build_model):
     (router,) = _routers(model)
     assert router.count_padding is False
     assert router.local_tokens_per_expert.dtype == torch.int64
+
+def test_hybrid_stack_spec_model_has_only_tree_routers(build_model):
+    assert moe_router_errors(build_model("*E-E")) == []

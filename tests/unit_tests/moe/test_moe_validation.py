@@ -81,7 +81,3 @@ def test_stock_routers_are_named(build_router):
     )
     (error,) = moe_router_errors(modules)
     assert error.startswith("stock is a TopKRouter") and "tree_moe_module_spec" in error
-
-
-def test_hybrid_stack_spec_model_has_only_tree_routers(build_model):
-    assert moe_router_errors(build_model("*E-E")) == []
