@@ -527,13 +527,17 @@ def count_tests(text):
 def commit_message(pr, depends, required_by, tests, stat_line, signoff):
     titles = {p.number: p.title for p in pr_stack_map.PULL_REQUESTS}
 
+    count = len(pr_stack_map.PULL_REQUESTS)
+
     def refs(numbers):
-        return "; ".join(f"PR {n}/8 ({titles[n]})" for n in sorted(numbers)) or "none"
+        return "".join(f"\n  - PR {n}/{count}: {titles[n]}" for n in sorted(numbers)) or " none"
 
     test_dirs = sorted({posixpath.dirname(t) for t in tests})
     total = sum(tests.values())
     lines = [
         f"{pr.title}",
+        "",
+        f"PR {pr.number}/{count} of the shared-prefix training stack.",
         "",
         "Summary",
         "",
@@ -541,8 +545,8 @@ def commit_message(pr, depends, required_by, tests, stat_line, signoff):
         "",
         "Dependencies",
         "",
-        f"- Depends on: {refs(depends)}",
-        f"- Required by: {refs(required_by)}",
+        f"- Depends on (imports from):{refs(depends)}",
+        f"- Required by:{refs(required_by)}",
         "",
         "Validation",
         "",
@@ -772,9 +776,9 @@ def check_docs(path):
     start, stop = generated_section(text, "module map")
     if text[start:stop].strip() != module_map_markdown().strip():
         raise ExportError(
-            f"{path}: the module map differs from tools/pr_stack_map.py; run "
-            f"`python tools/export_pr_stack.py --check-docs` after "
-            f"`python tools/export_pr_stack.py --out DIR --write-docs {path}`"
+            f"{path}: the module map differs from tools/pr_stack_map.py; regenerate it with "
+            f"`python tools/export_pr_stack.py --write-docs {path}` (with --out DIR, the "
+            "diffstat too)"
         )
 
 

@@ -108,8 +108,10 @@ PULL_REQUESTS = (
         "autograd nodes that re-open the scope in the backward pass, so activation recompute "
         "(CheckpointFunction re-running layers inside backward) sees the same forest; no change to "
         "CheckpointFunction itself.",
-        "Scope nesting, reset on error and the recompute brackets are unit-tested on CPU; the "
-        "recompute path is exercised end to end by the HybridModel tests of the integration PR.",
+        "ForestTensors' tables are tested in the tree-attention PR against its dense mask "
+        "reference (tests/unit_tests/models/hybrid/shared_prefix/test_tensors.py); the recompute "
+        "brackets end to end by the HybridModel tests of the integration PR (activation "
+        "recompute on, gradients equal to dense training).",
         "One forest per forward: nested forests in one scope are not supported.",
     ),
     PullRequest(
