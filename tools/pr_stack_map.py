@@ -333,7 +333,19 @@ RULES = (
         "installs the mamba_ssm fallback on import; upstream the modules that import the Mamba "
         "mixer do it themselves",
     ),
+    Rule(
+        "megatron/shared_prefix/transformer/",
+        "megatron/core/transformer/shared_prefix/",
+        6,
+        "sequence-parallel torch norm of the local spec (upstream: WrappedTorchNorm could take it)",
+    ),
     Rule("tests/unit_tests/models/hybrid/", _HYBRID_TESTS, 6, "tests"),
+    Rule(
+        "tests/unit_tests/distributed/",
+        "tests/unit_tests/distributed/shared_prefix/",
+        6,
+        "multi-process gloo parity tests (TP, SP, EP, DP, PP)",
+    ),
     Rule(
         "tests/unit_tests/moe/test_moe_forest_model.py",
         "tests/unit_tests/transformer/moe/shared_prefix/test_moe_forest_model.py",
