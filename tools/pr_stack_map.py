@@ -180,15 +180,19 @@ PULL_REQUESTS = (
         "forest scope, gathers hidden states at the distinct edge sources before the output "
         "layer and returns the float32 cross entropy of every loss edge. hybrid_stack_spec() "
         "selects the tree-aware submodules of PRs 3-5 (and builds without Transformer Engine). "
+        "Under tensor parallelism the edge loss is vocab-parallel; pipeline stages pass hidden "
+        "states as HybridModel does. "
         "The public API is megatron.core.models.hybrid.shared_prefix: plan_shared_prefix, "
         "SharedPrefixPlan, ForestLayout, hybrid_stack_spec, enable_cpu (SharedPrefixHybridModel "
         "remains as HybridModel plus a check that every pattern layer has a module).",
         "Model-level parity on random forests (depth 1..4, single-token segments, skewed siblings): "
         "per-edge losses and gradients equal to dense training within the tolerances of the "
         "tests (float32 on CPU), with M, *, -, E layers, tied and untied embeddings, activation "
-        "recompute.",
-        "Tensor, pipeline and context parallelism, CUDA graphs, FP8/FP4, dropout, MTP loss and "
-        "inference caches are rejected by validation with the setting named.",
+        "recompute; multi-process gloo jobs under TP, SP, EP, DP and PP against the TP = 1 dense "
+        "reference (losses rel 1e-5, gradients rel 1e-4, MoE counts equal).",
+        "Context parallelism, CUDA graphs, FP8/FP4, dropout, sliding windows, MLA, the MTP loss "
+        "and inference caches are rejected by validation with the setting named; TP with MoE "
+        "needs sequence parallelism, PP needs variable_seq_lengths.",
     ),
     PullRequest(
         7,
@@ -338,6 +342,18 @@ RULES = (
         "megatron/core/transformer/shared_prefix/",
         6,
         "sequence-parallel torch norm of the local spec (upstream: WrappedTorchNorm could take it)",
+    ),
+    Rule(
+        "megatron/shared_prefix/tensor_parallel/cross_entropy.py",
+        "megatron/core/tensor_parallel/shared_prefix/cross_entropy.py",
+        6,
+        "vocab-parallel cross entropy of the loss edges",
+    ),
+    Rule(
+        "megatron/shared_prefix/tensor_parallel/full_tensors.py",
+        "megatron/core/tensor_parallel/shared_prefix/full_tensors.py",
+        6,
+        "full parameter tensors of a sharded model and back (parallel parity tests)",
     ),
     Rule("tests/unit_tests/models/hybrid/", _HYBRID_TESTS, 6, "tests"),
     Rule(
