@@ -129,8 +129,11 @@ def bisect(python, stack, env, plugins):
             ok = (0,) if tests else (0, 5)
             tail = run(python, args, stack, run_env, 1200, f"tests of PR {index}", ok)
         summary = tail.splitlines()[-1] if tail else ""
-        print(f"   PR {index}: {len(tests)} new test files; {summary} "
-              f"({time.monotonic() - start:.1f} s)", flush=True)
+        print(
+            f"   PR {index}: {len(tests)} new test files; {summary} "
+            f"({time.monotonic() - start:.1f} s)",
+            flush=True,
+        )
     return base
 
 
@@ -144,7 +147,9 @@ def check_training(python, stack, env, work):
 
 def check_determinism(python, stack, env, base):
     args = ["tools/check_kernel_determinism_coverage.py", "--base-ref", base]
-    print("   " + run(python, args, stack, env, 300, "kernel determinism coverage").splitlines()[-1])
+    print(
+        "   " + run(python, args, stack, env, 300, "kernel determinism coverage").splitlines()[-1]
+    )
 
 
 def check_patches_apply(stack, base, work):
@@ -173,7 +178,11 @@ def main(argv=None):
     stack = (args.keep or work / "stack").resolve()
     started = time.monotonic()
     try:
-        step("docs/upstreaming.md module map", export_pr_stack.check_docs, ROOT / "docs/upstreaming.md")
+        step(
+            "docs/upstreaming.md module map",
+            export_pr_stack.check_docs,
+            ROOT / "docs/upstreaming.md",
+        )
         try:
             signoff = export_pr_stack.git_signoff(ROOT)
         except export_pr_stack.ExportError:
@@ -183,11 +192,15 @@ def main(argv=None):
         for number, stat in stats.items():
             print(f"   PR {number}: {export_pr_stack.stat_text(stat)}")
         python = step("isolated interpreter", isolated_python, work)
-        env = {
-            k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")
-        }
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(PYTHONPATH=str(stack), TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1")
-        step("extension not importable, export first on the path", check_isolation, python, stack, env)
+        step(
+            "extension not importable, export first on the path",
+            check_isolation,
+            python,
+            stack,
+            env,
+        )
         plugins = work / "plugins"
         plugins.mkdir()
         (plugins / "stack_run_only.py").write_text(_RUN_ONLY_PLUGIN)

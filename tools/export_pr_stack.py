@@ -116,7 +116,16 @@ def in_scope(path):
 def source_files(source_root):
     """Tracked and untracked (not ignored) files of the source checkout under the map's SCOPE."""
     listed = subprocess.run(
-        ["git", "-C", str(source_root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        [
+            "git",
+            "-C",
+            str(source_root),
+            "ls-files",
+            "-z",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -157,9 +166,9 @@ def plan_export(paths):
         if rule.target and rule.source.endswith("/"):
             path_map[rule.source.rstrip("/")] = rule.target.rstrip("/")
             if rule.source.startswith("megatron/"):
-                modules[rule.source.rstrip("/").replace("/", ".")] = (
-                    rule.target.rstrip("/").replace("/", ".")
-                )
+                modules[rule.source.rstrip("/").replace("/", ".")] = rule.target.rstrip(
+                    "/"
+                ).replace("/", ".")
     api_target = path_map.get(API_PACKAGE_SOURCE)
     if api_target:
         path_map["megatron/shared_prefix"] = posixpath.dirname(api_target)
@@ -242,7 +251,9 @@ def _resolve_test_import(importer, level, name, plan, source_root):
     return None
 
 
-_FROM_IMPORT = re.compile(r"^(?P<indent>\s*)from (?P<dots>\.*)(?P<name>[A-Za-z_][\w.]*)? import ", re.M)
+_FROM_IMPORT = re.compile(
+    r"^(?P<indent>\s*)from (?P<dots>\.*)(?P<name>[A-Za-z_][\w.]*)? import ", re.M
+)
 
 
 def rewrite_test_imports(text, source, plan, source_root):
@@ -260,6 +271,23 @@ def rewrite_test_imports(text, source, plan, source_root):
         return f"{match.group('indent')}from {target} import "
 
     return _FROM_IMPORT.sub(replace, text)
+
+
+def rewrite_test_paths(text, plan):
+    """Paths of moved test files (the manifest's test references, docstrings) -> their new paths."""
+    moved = {
+        f.source: f.target
+        for f in plan.files
+        if f.source.startswith("tests/") and f.source != f.target
+    }
+    if not moved:
+        return text
+    pattern = re.compile(
+        r"(?<![\w/])("
+        + "|".join(re.escape(p) for p in sorted(moved, key=len, reverse=True))
+        + r")(?![\w.])"
+    )
+    return pattern.sub(lambda match: moved[match.group(1)], text)
 
 
 def drop_method(text, class_name, method, where):
@@ -319,6 +347,7 @@ def exported_text(exported, plan, pr, source_root, base_files):
     if exported.target.startswith("tests/") and exported.target.endswith(".py"):
         text = rewrite_test_imports(text, exported.source, plan, source_root)
     text = rewrite_names(text, plan, where)
+    text = rewrite_test_paths(text, plan)
     if exported.source == API_PACKAGE_SOURCE:
         text = staged_api(text, plan, pr, where)
     return text
@@ -395,7 +424,9 @@ def check_no_extension_left(tree, targets):
             if LEFTOVER.search(line):
                 leftovers.append(f"{target}:{number}: {line.strip()}")
     if leftovers:
-        raise ExportError("megatron.shared_prefix remains in the export:\n  " + "\n  ".join(leftovers))
+        raise ExportError(
+            "megatron.shared_prefix remains in the export:\n  " + "\n  ".join(leftovers)
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -487,7 +518,9 @@ def git_signoff(source_root):
 
     name, email = config("user.name"), config("user.email")
     if not name or not email:
-        raise ExportError("git config user.name / user.email are not set; set them or pass --signoff")
+        raise ExportError(
+            "git config user.name / user.email are not set; set them or pass --signoff"
+        )
     return f"{name} <{email}>"
 
 
@@ -550,10 +583,12 @@ def commit_message(pr, depends, required_by, tests, stat_line, signoff):
         "",
         "Validation",
         "",
-        f"- `python -m pytest -q {' '.join(test_dirs)}`: {total} test functions in "
-        f"{len(tests)} files added by this PR (CPU; GPU tests are marked `gpu`)."
-        if tests
-        else "- No tests of its own: exercised by the tests of the PRs that require it.",
+        (
+            f"- `python -m pytest -q {' '.join(test_dirs)}`: {total} test functions in "
+            f"{len(tests)} files added by this PR (CPU; GPU tests are marked `gpu`)."
+            if tests
+            else "- No tests of its own: exercised by the tests of the PRs that require it."
+        ),
         "- " + _wrap(pr.validation, indent="  "),
         f"- Diffstat: {stat_line}",
         "",
@@ -621,7 +656,9 @@ def export(out, base, source_root=ROOT, signoff=None):
     collisions = [f"{f.source} -> {f.target}" for f in plan.files if f.target in base_files]
     collisions = [c for c in collisions if not c.endswith("__init__.py")]
     if collisions:
-        raise ExportError("moved files would overwrite upstream files:\n  " + "\n  ".join(collisions))
+        raise ExportError(
+            "moved files would overwrite upstream files:\n  " + "\n  ".join(collisions)
+        )
     signoff = signoff or git_signoff(source_root)
     if not re.fullmatch(r".+? <.+>", signoff):
         raise ExportError(f"--signoff {signoff!r} is not 'Name <email>'")
@@ -713,10 +750,11 @@ def diffstat_of_index(repo, base_files):
 
 def module_map_markdown():
     titles = {pr.number: pr.title for pr in pr_stack_map.PULL_REQUESTS}
-    lines = ["| PR | title | this repository | upstream | how it plugs in |", "|---|---|---|---|---|"]
-    by_pr = sorted(
-        (r for r in pr_stack_map.RULES if r.target), key=lambda r: (r.pr, r.source)
-    )
+    lines = [
+        "| PR | title | this repository | upstream | how it plugs in |",
+        "|---|---|---|---|---|",
+    ]
+    by_pr = sorted((r for r in pr_stack_map.RULES if r.target), key=lambda r: (r.pr, r.source))
     for rule in by_pr:
         lines.append(
             f"| {rule.pr} | {titles[rule.pr]} | `{rule.source}` | `{rule.target}` | {rule.note} |"
@@ -750,7 +788,13 @@ def diffstat_markdown(stats, description):
             f"{stat.upstream_files} | +{stat.upstream_added}/-{stat.upstream_removed} | "
             f"{100 * stat.fraction:.1f}% |"
         )
-        for name in ("new_files", "new_lines", "upstream_files", "upstream_added", "upstream_removed"):
+        for name in (
+            "new_files",
+            "new_lines",
+            "upstream_files",
+            "upstream_added",
+            "upstream_removed",
+        ):
             setattr(total, name, getattr(total, name) + getattr(stat, name))
     lines.append(
         f"| all | | {total.new_files} | {total.new_lines} | {total.upstream_files} | "
@@ -804,7 +848,9 @@ def parse_args(argv):
     )
     parser.add_argument("--signoff", help="'Name <email>' (default: git config of this repository)")
     parser.add_argument("--write-docs", type=Path, metavar="MD", help="rewrite generated sections")
-    parser.add_argument("--check-docs", type=Path, metavar="MD", help="check the module map section")
+    parser.add_argument(
+        "--check-docs", type=Path, metavar="MD", help="check the module map section"
+    )
     return parser.parse_args(argv)
 
 

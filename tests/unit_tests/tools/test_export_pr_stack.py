@@ -127,3 +127,17 @@ def test_export_against_the_installed_megatron_core(tmp_path):
     assert "shared_prefix_layout=None," in model and "return forest_forward(" in model
     # In-place edits stay a small share of every PR.
     assert all(stat.fraction < 0.05 for stat in stats.values())
+    # The exported manifest names the exported sources and tests: its checker passes there.
+    base = subprocess.run(
+        ["git", "-C", str(out), "rev-list", "--max-parents=0", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    coverage = subprocess.run(
+        [sys.executable, "tools/check_kernel_determinism_coverage.py", "--base-ref", base],
+        cwd=out,
+        capture_output=True,
+        text=True,
+    )
+    assert coverage.returncode == 0, coverage.stdout + coverage.stderr
