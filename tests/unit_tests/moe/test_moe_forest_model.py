@@ -196,5 +196,6 @@ def test_hybrid_stack_spec_routes_with_tree_router(build_model):
     assert router.count_padding is False
     assert router.local_tokens_per_expert.dtype == torch.int64
 
+
 def test_hybrid_stack_spec_model_has_only_tree_routers(build_model):
     assert moe_router_errors(build_model("*E-E")) == []
