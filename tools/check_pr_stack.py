@@ -23,6 +23,7 @@ Prints the time of each step; exit status 0 when everything passes, 1 otherwise.
 
 import argparse
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -138,11 +139,21 @@ def bisect(python, stack, env, plugins):
 
 
 def check_training(python, stack, env, work):
+    """20 iterations of the built-in tiny model; prints the first and last iteration's loss."""
     run_dir = work / "run"
     run_dir.mkdir()
     args = [str(stack / "pretrain_hybrid.py"), "--shared-prefix-packing", "--train-iters", "20"]
-    tail = run(python, args, run_dir, env, 900, "pretrain_hybrid.py --shared-prefix-packing")
-    print("   " + "\n   ".join(tail.splitlines()[-3:]))
+    result = subprocess.run(
+        [str(python), *args], cwd=run_dir, env=env, capture_output=True, text=True, timeout=900
+    )
+    iterations = re.findall(r"iteration +(\d+)/ +20 .*?lm loss: ([0-9.E+-]+)", result.stdout)
+    if result.returncode != 0 or not iterations or iterations[-1][0] != "20":
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-25:])
+        raise CheckFailed(f"pretrain_hybrid.py --shared-prefix-packing failed:\n{tail}")
+    (first, first_loss), (last, last_loss) = iterations[0], iterations[-1]
+    print(
+        f"   lm loss {float(first_loss):.4f} at iteration {first}, {float(last_loss):.4f} at {last}"
+    )
 
 
 def check_determinism(python, stack, env, base):
