@@ -399,7 +399,25 @@ RULES = (
     ),
     Rule("examples/", "examples/", 8, "JSONL examples of docs/data.md, read by the training tests"),
     Rule("tests/unit_tests/training/", "tests/unit_tests/training/shared_prefix/", 8, "tests"),
+    Rule(
+        "tools/record_checkpoint_integrity.py",
+        "tools/record_checkpoint_integrity.py",
+        8,
+        "adopts or verifies the integrity record of a training checkpoint",
+    ),
+    Rule(
+        "tests/unit_tests/tools/test_record_checkpoint_integrity.py",
+        "tests/unit_tests/tools/test_record_checkpoint_integrity.py",
+        8,
+        "test",
+    ),
     # Not exported.
+    Rule(
+        "tests/unit_tests/test_readme.py",
+        None,
+        None,
+        "runs this repository's README example and checks its docs' citations",
+    ),
     Rule(
         "tests/unit_tests/test_packaging.py",
         None,
