@@ -273,6 +273,26 @@ def rewrite_test_imports(text, source, plan, source_root):
     return _FROM_IMPORT.sub(replace, text)
 
 
+_LONG_FROM_IMPORT = re.compile(r"^(\s*)from ([\w.]+) import ([^()#\n]+?)(\s*#[^\n]*)?$")
+
+
+def wrap_long_imports(text, width=100):
+    """``from X import a, b`` lines that the longer upstream names pushed past ``width``, in
+    black's parenthesized form (one name per line; a trailing comment stays on the first line)."""
+    lines = []
+    for line in text.split("\n"):
+        match = _LONG_FROM_IMPORT.match(line) if len(line) > width else None
+        if match is None:
+            lines.append(line)
+            continue
+        indent, module, names, comment = match.groups()
+        comment = f"  {comment.strip()}" if comment else ""
+        lines.append(f"{indent}from {module} import ({comment}")
+        lines.extend(f"{indent}    {name.strip()}," for name in names.split(","))
+        lines.append(f"{indent})")
+    return "\n".join(lines)
+
+
 def rewrite_test_paths(text, plan):
     """Paths of moved test files (the manifest's test references, docstrings) -> their new paths."""
     moved = {
@@ -348,6 +368,8 @@ def exported_text(exported, plan, pr, source_root, base_files):
         text = rewrite_test_imports(text, exported.source, plan, source_root)
     text = rewrite_names(text, plan, where)
     text = rewrite_test_paths(text, plan)
+    if exported.target.endswith(".py"):
+        text = wrap_long_imports(text)
     if exported.source == API_PACKAGE_SOURCE:
         text = staged_api(text, plan, pr, where)
     return text

@@ -2,6 +2,7 @@
 tree holds no megatron.shared_prefix, and an export against the installed megatron-core is a stack
 of eight commits with their patches."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,39 @@ def test_export_against_the_installed_megatron_core(tmp_path):
         text=True,
     )
     assert coverage.returncode == 0, coverage.stdout + coverage.stderr
+
+
+def test_imports_pushed_past_the_line_length_are_wrapped_as_black_does():
+    line = "from tests.unit_tests.models.hybrid.shared_prefix.dense_reference import first, second"
+    long = line + ", third_name_that_is_long  # noqa: E402"
+    assert export_pr_stack.wrap_long_imports(line) == line
+    assert export_pr_stack.wrap_long_imports(long).split("\n") == [
+        "from tests.unit_tests.models.hybrid.shared_prefix.dense_reference import (  # noqa: E402",
+        "    first,",
+        "    second,",
+        "    third_name_that_is_long,",
+        ")",
+    ]
+
+
+def test_the_check_interpreter_cannot_import_this_repository(tmp_path):
+    import check_pr_stack  # pylint: disable=import-outside-toplevel
+
+    python = check_pr_stack.isolated_python(tmp_path)
+    probe = (
+        "import importlib.util, torch, megatron.core\n"
+        "print(importlib.util.find_spec('megatron.shared_prefix') is None)\n"
+    )
+    # This environment's site-packages hold the editable install of this repository; only its
+    # finder (a .pth hook) makes megatron.shared_prefix importable, and the interpreter skips it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [str(python), "-c", probe],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True"
