@@ -17,6 +17,12 @@ def pytest_configure(config):
         os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
     else:
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    # megatron-core's Mamba mixer binds mamba_ssm's kernels when it is first imported, and test
+    # modules reach it in many orders (megatron.training imports it too): where mamba_ssm is
+    # missing, provide the pure-torch fallback before any test module is collected.
+    from megatron.shared_prefix.cpu import install_mamba_ssm_fallback
+
+    install_mamba_ssm_fallback()
 
 
 def pytest_collection_modifyitems(config, items):

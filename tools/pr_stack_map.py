@@ -469,8 +469,9 @@ _FORWARD_DOCSTRING_ANCHOR = (
 )
 
 _FIXTURES_IMPORT = (
-    "# Fixtures and hooks of the shared-prefix tests (gpu marker, megatron_world, forests).\n"
-    "from tests.unit_tests.shared_prefix_fixtures import *  # noqa: F401,F403\n"
+    "# Fixtures and hooks of the shared-prefix tests (gpu skip, megatron_world, forests), as a\n"
+    "# plugin so that its hooks run next to this file's own.\n"
+    'pytest_plugins = ["tests.unit_tests.shared_prefix_fixtures"]\n'
 )
 
 UPSTREAM_EDITS = (
@@ -479,7 +480,7 @@ UPSTREAM_EDITS = (
         3,
         anchor="",
         replacement="\n" + _FIXTURES_IMPORT,
-        note="imports the shared-prefix fixtures (appended)",
+        note="registers the shared-prefix fixtures as a plugin (appended)",
         when_missing=_FIXTURES_IMPORT,
     ),
     UpstreamEdit(

@@ -4,13 +4,6 @@ import json
 
 import pytest
 
-from megatron.shared_prefix.cpu import install_mamba_ssm_fallback
-
-# The training modules import megatron.training, which imports megatron-core's Mamba mixer, and the
-# mixer binds mamba_ssm's kernels on first import: provide the pure-torch fallback before any test
-# module of this directory is imported, whatever package of ours imports megatron.training first.
-install_mamba_ssm_fallback()
-
 
 @pytest.fixture(autouse=True)
 def single_thread():
