@@ -771,26 +771,24 @@ def diffstat_of_index(repo, base_files):
 
 
 def module_map_markdown():
-    titles = {pr.number: pr.title for pr in pr_stack_map.PULL_REQUESTS}
-    lines = [
-        "| PR | title | this repository | upstream | how it plugs in |",
-        "|---|---|---|---|---|",
-    ]
+    lines = ["The stack, in dependency order:", ""]
+    lines += [f"{pr.number}. {pr.title}" for pr in pr_stack_map.PULL_REQUESTS]
+    lines += ["", "| PR | this repository | upstream | how it plugs in |", "|---|---|---|---|"]
     by_pr = sorted((r for r in pr_stack_map.RULES if r.target), key=lambda r: (r.pr, r.source))
     for rule in by_pr:
-        lines.append(
-            f"| {rule.pr} | {titles[rule.pr]} | `{rule.source}` | `{rule.target}` | {rule.note} |"
-        )
+        lines.append(f"| {rule.pr} | `{rule.source}` | `{rule.target}` | {rule.note} |")
     lines += ["", "Not exported:", ""]
     for rule in sorted((r for r in pr_stack_map.RULES if not r.target), key=lambda r: r.source):
         lines.append(f"- `{rule.source}`: {rule.note}")
-    lines += ["", "In-place edits of upstream files (anchored):", ""]
+    lines += ["", "In-place edits of upstream files (anchored), and files the exporter writes:", ""]
+    entries = []
     for edit in pr_stack_map.UPSTREAM_EDITS:
         anchor = edit.anchor.strip().splitlines()[0] if edit.anchor.strip() else "(end of file)"
         missing = "; created when the base lacks it" if edit.when_missing else ""
-        lines.append(f"- PR {edit.pr}, `{edit.path}`: {edit.note} (anchor `{anchor}`{missing})")
+        entries.append((edit.pr, f"`{edit.path}`: {edit.note} (anchor `{anchor}`{missing})"))
     for path, (number, _) in pr_stack_map.GENERATED_FILES.items():
-        lines.append(f"- PR {number}, `{path}`: new file written by the exporter")
+        entries.append((number, f"`{path}`: new file written by the exporter"))
+    lines += [f"- PR {number}, {text}" for number, text in sorted(entries, key=lambda e: e[0])]
     return "\n".join(lines)
 
 
