@@ -88,10 +88,10 @@ def run(python, args, cwd, env, timeout, what, ok=(0,)):
     result = subprocess.run(
         [str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
-    tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-25:])
     if result.returncode not in ok:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-40:])
         raise CheckFailed(f"{what} failed (exit {result.returncode}):\n{tail}")
-    return tail
+    return result.stdout.strip()
 
 
 def check_isolation(python, stack, env):
@@ -121,15 +121,15 @@ def bisect(python, stack, env, plugins):
         tests = [p for p in added if Path(p).name.startswith("test_") and p.endswith(".py")]
         start = time.monotonic()
         if index == len(stack_commits):
-            tail = run(python, pytest, stack, env, 1800, f"full exported suite at PR {index}")
+            output = run(python, pytest, stack, env, 1800, f"full exported suite at PR {index}")
         else:
             run_env = dict(env, STACK_RUN_FILES=" ".join(tests))
             run_env["PYTHONPATH"] = f"{env['PYTHONPATH']}{os.pathsep}{plugins}"
             args = pytest + ["-p", "stack_run_only"]
             # Exit status 5: nothing selected, for a PR without test files of its own.
             ok = (0,) if tests else (0, 5)
-            tail = run(python, args, stack, run_env, 1200, f"tests of PR {index}", ok)
-        summary = tail.splitlines()[-1] if tail else ""
+            output = run(python, args, stack, run_env, 1200, f"tests of PR {index}", ok)
+        summary = output.splitlines()[-1] if output else ""
         print(
             f"   PR {index}: {len(tests)} new test files; {summary} "
             f"({time.monotonic() - start:.1f} s)",
