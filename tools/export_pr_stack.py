@@ -256,6 +256,11 @@ _FROM_IMPORT = re.compile(
 )
 
 
+_IMPORT = re.compile(
+    r"^(?P<indent>\s*)import (?P<name>[A-Za-z_][\w.]*)(?P<rest>\s*(?:#.*)?)$", re.M
+)
+
+
 def rewrite_test_imports(text, source, plan, source_root):
     """Relative and bare-name imports of test helpers -> absolute ``tests.unit_tests...`` names."""
 
@@ -270,7 +275,19 @@ def rewrite_test_imports(text, source, plan, source_root):
             return match.group(0)
         return f"{match.group('indent')}from {target} import "
 
-    return _FROM_IMPORT.sub(replace, text)
+    def replace_import(match):
+        name = match.group("name")
+        if name.split(".")[0] in {"megatron", "tests"}:
+            return match.group(0)
+        target = _resolve_test_import(source, 0, name, plan, source_root)
+        if target is None:
+            return match.group(0)
+        package, _, leaf = target.rpartition(".")
+        local = name.rpartition(".")[2]
+        alias = f" as {local}" if local != leaf else ""
+        return f"{match.group('indent')}from {package} import {leaf}{alias}{match.group('rest')}"
+
+    return _IMPORT.sub(replace_import, _FROM_IMPORT.sub(replace, text))
 
 
 _LONG_FROM_IMPORT = re.compile(r"^(\s*)from ([\w.]+) import ([^()#\n]+?)(\s*#[^\n]*)?$")

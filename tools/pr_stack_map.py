@@ -446,11 +446,14 @@ import sys
 # Shared-prefix training (megatron/training/shared_prefix/) has its own data, prefix-forest batching
 # and loss; any --shared-prefix-* flag selects it, before the imports below.
 if any(arg.startswith(("--shared-prefix-", "--no-shared-prefix-")) for arg in sys.argv[1:]):
-    from megatron.core.models.hybrid.shared_prefix.cpu import install_mamba_ssm_fallback
+    import warnings
 
-    # megatron.training imports the Mamba mixer, which binds mamba_ssm's kernels at import.
-    install_mamba_ssm_fallback()
-    from megatron.training.shared_prefix.pretrain import main as shared_prefix_main
+    # Import-time warnings of optional extensions stay quiet unless asked for; the entry point
+    # then filters the run's own (--shared-prefix-verbose keeps both).
+    with warnings.catch_warnings():
+        if "--shared-prefix-verbose" not in sys.argv:
+            warnings.simplefilter("ignore")
+        from megatron.training.shared_prefix.pretrain import main as shared_prefix_main
 
     shared_prefix_main()
     sys.exit(0)
@@ -474,7 +477,33 @@ _FIXTURES_IMPORT = (
     'pytest_plugins = ["tests.unit_tests.shared_prefix_fixtures"]\n'
 )
 
+_MAMBA_SSM_MISSING_ANCHOR = (
+    "except ImportError:\n"
+    "    mamba_chunk_scan_combined = None\n"
+    "    mamba_split_conv1d_scan_combined = None\n"
+    "    HAVE_MAMBA_SSM = False\n"
+)
+
 UPSTREAM_EDITS = (
+    UpstreamEdit(
+        "megatron/core/ssm/mamba_mixer.py",
+        3,
+        anchor=_MAMBA_SSM_MISSING_ANCHOR,
+        replacement=_MAMBA_SSM_MISSING_ANCHOR + "    if not torch.cuda.is_available():\n"
+        "        # Without CUDA, the pure-torch SSD (megatron/core/ssm/shared_prefix/torch_ssd.py)\n"
+        "        # stands in for mamba_ssm's kernels, whatever imports this module first.\n"
+        "        from megatron.core.models.hybrid.shared_prefix.cpu import install_mamba_ssm_fallback\n"
+        "\n"
+        "        install_mamba_ssm_fallback()\n"
+        "        from mamba_ssm.ops.triton.layernorm_gated import RMSNorm as RMSNormGated\n"
+        "        from mamba_ssm.ops.triton.ssd_combined import (\n"
+        "            mamba_chunk_scan_combined,\n"
+        "            mamba_split_conv1d_scan_combined,\n"
+        "        )\n"
+        "\n"
+        "        HAVE_MAMBA_SSM = True\n",
+        note="without CUDA and mamba_ssm, the mixer binds the pure-torch SSD",
+    ),
     UpstreamEdit(
         "tests/unit_tests/conftest.py",
         3,

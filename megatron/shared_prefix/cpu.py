@@ -71,7 +71,10 @@ def install_mamba_ssm_fallback() -> bool:
     if _mamba_ssm_importable():
         return False
     mixer = sys.modules.get("megatron.core.ssm.mamba_mixer")
-    if mixer is not None and not getattr(mixer, "HAVE_MAMBA_SSM", False):
+    # A call made while the mixer module itself is being imported (before it binds the kernels) is
+    # in time; one after it finished without mamba_ssm is not.
+    importing = getattr(getattr(mixer, "__spec__", None), "_initializing", False)
+    if mixer is not None and not importing and not getattr(mixer, "HAVE_MAMBA_SSM", False):
         raise RuntimeError(
             "megatron.core.ssm.mamba_mixer was imported before mamba_ssm could be provided; "
             "import megatron.shared_prefix (or call enable_cpu()) before importing megatron-core's "

@@ -63,11 +63,18 @@ def test_mixer_binds_the_torch_fallback_when_mamba_ssm_is_missing():
 
 
 def test_fallback_refuses_a_mixer_imported_without_it():
+    """A mixer that bound placeholders cannot be helped afterwards: the fallback says so. A mixer
+    that binds the fallback itself (megatron-core's, in the upstream stack, without CUDA) uses it."""
     result = run_python(
         "import importlib.util, sys\n"
         "if importlib.util.find_spec('mamba_ssm') is not None: sys.exit(0)\n"
-        "import megatron.core.ssm.mamba_mixer\n"
+        "import megatron.core.ssm.mamba_mixer as mixer\n"
         "from megatron.shared_prefix.cpu import install_mamba_ssm_fallback\n"
+        "if mixer.HAVE_MAMBA_SSM:\n"
+        "    from megatron.shared_prefix.ssm import torch_ssd\n"
+        "    assert install_mamba_ssm_fallback() is True\n"
+        "    assert mixer.mamba_chunk_scan_combined is torch_ssd.mamba_chunk_scan_combined\n"
+        "    sys.exit(0)\n"
         "try:\n"
         "    install_mamba_ssm_fallback()\n"
         "except RuntimeError as error:\n"

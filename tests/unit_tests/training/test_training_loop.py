@@ -240,8 +240,8 @@ def test_jsonl_sft_and_rl_examples_train(train):
 
 
 def test_global_batch_larger_than_the_dataset_is_warned_once(train):
-    repo = os.path.dirname(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = next(
+        p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir()
     )
     sft = os.path.join(repo, "examples", "sft.jsonl")
     _, lines = train(*FAST, "--data-path", sft, "--global-batch-size", "32", "--train-iters", "2")

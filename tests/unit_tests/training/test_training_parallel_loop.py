@@ -13,11 +13,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# The checkout root (the directory holding tests/unit_tests), wherever this file is moved to.
+ROOT = str(
+    next(p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir())
+)
 FLAGS = (
     "--train-iters",
     "3",
