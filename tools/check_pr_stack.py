@@ -85,12 +85,14 @@ def isolated_python(work):
 
 
 def run(python, args, cwd, env, timeout, what, ok=(0,)):
+    """Run ``python args``; on failure raise with the end of its stdout (pytest's summary)."""
     result = subprocess.run(
         [str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
     if result.returncode not in ok:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-40:])
-        raise CheckFailed(f"{what} failed (exit {result.returncode}):\n{tail}")
+        tail = "\n".join(result.stdout.strip().splitlines()[-150:])
+        errors = "\n".join(result.stderr.strip().splitlines()[-20:])
+        raise CheckFailed(f"{what} failed (exit {result.returncode}):\n{tail}\n{errors}")
     return result.stdout.strip()
 
 
@@ -113,7 +115,16 @@ def bisect(python, stack, env, plugins):
     """Every commit: collect all tests present, run the new ones; the last commit: run all."""
     commits = git(stack, "rev-list", "--reverse", "HEAD").split()
     base, stack_commits = commits[0], commits[1:]
-    pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit_tests"]
+    pytest = [
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:warnings",
+        "tests/unit_tests",
+    ]
     for index, commit in enumerate(stack_commits, 1):
         git(stack, "checkout", "-q", "--detach", commit)
         parent = commits[index - 1]
