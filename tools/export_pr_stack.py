@@ -668,7 +668,6 @@ def stat_text(stat):
 
 def ensure_test_packages(tree, targets):
     """Every directory from tests/ to an exported test file is a package (unique module names)."""
-    created = []
     for target in targets:
         if not target.startswith("tests/"):
             continue
@@ -678,9 +677,7 @@ def ensure_test_packages(tree, targets):
             if not init.exists():
                 init.parent.mkdir(parents=True, exist_ok=True)
                 init.write_text("", encoding="utf-8")
-                created.append(f"{directory}/__init__.py")
             directory = posixpath.dirname(directory)
-    return created
 
 
 def export(out, base, source_root=ROOT, signoff=None):
@@ -715,18 +712,16 @@ def export(out, base, source_root=ROOT, signoff=None):
         f"Base: {description}\n\nThe pristine upstream tree that the PR stack applies to.\n"
     )
 
-    texts, numbers = {}, [pr.number for pr in pr_stack_map.PULL_REQUESTS]
-    for pr in numbers:
-        for exported in plan.files:
-            if exported.pr <= pr:
-                if exported.target in base_files and exported.target.endswith("__init__.py"):
-                    if (source_root / exported.source).read_text().strip():
-                        raise ExportError(f"{exported.source} would overwrite {exported.target}")
-                    continue
-                texts[exported.target] = (
-                    exported.pr,
-                    exported_text(exported, plan, pr, source_root, base_files),
-                )
+    # The stack's final text of every moved file (an empty package __init__.py that upstream
+    # already has is not moved), for the import-order check.
+    last, texts = pr_stack_map.PULL_REQUESTS[-1].number, {}
+    for exported in plan.files:
+        if exported.target in base_files and exported.target.endswith("__init__.py"):
+            if (source_root / exported.source).read_text(encoding="utf-8").strip():
+                raise ExportError(f"{exported.source} would overwrite {exported.target}")
+            continue
+        text = exported_text(exported, plan, last, source_root, base_files)
+        texts[exported.target] = (exported.pr, text)
     depends = check_import_order(texts, plan)
 
     stats = {}
