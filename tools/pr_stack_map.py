@@ -127,8 +127,9 @@ PULL_REQUESTS = (
         "(triton_inherited_state.py, a fixed number of launches per layer); elsewhere torch_ssd.py, "
         "a pure-torch SSD that is also the kernels' oracle. cpu.py makes HybridModel build and "
         "train without CUDA (and registers torch_ssd under mamba_ssm's names when mamba_ssm is "
-        "absent); distributed.py sets up the one-process world that CPU tests and the "
-        "single-process trainer use.",
+        "absent); megatron/core/ssm/mamba_mixer.py gains one hook: without CUDA and mamba_ssm it "
+        "binds that torch SSD itself, so any import order works. distributed.py sets up the "
+        "one-process world that CPU tests and the single-process trainer use.",
         "H200, bf16, hidden 2048, 64 heads (tools/bench_mamba.py --repeats 5): the tree layer takes "
         "1.09-1.10x the time of a varlen scan over the same packed tokens and is 3.6-6.3x faster "
         "than the dense batch on the three benchmark forests.",
