@@ -182,18 +182,21 @@ PULL_REQUESTS = (
         "layer and returns the float32 cross entropy of every loss edge. hybrid_stack_spec() "
         "selects the tree-aware submodules of PRs 3-5 (and builds without Transformer Engine). "
         "Under tensor parallelism the edge loss is vocab-parallel; pipeline stages pass hidden "
-        "states as HybridModel does. "
+        "states as HybridModel does; under context parallelism each rank holds megatron-core's "
+        "chunks of the row and the loss edges whose sources it holds (context_parallel_edges). "
         "The public API is megatron.core.models.hybrid.shared_prefix: plan_shared_prefix, "
-        "SharedPrefixPlan, ForestLayout, hybrid_stack_spec, enable_cpu (SharedPrefixHybridModel "
+        "SharedPrefixPlan, ForestLayout, hybrid_stack_spec, enable_cpu, context_parallel_edges "
+        "(SharedPrefixHybridModel "
         "remains as HybridModel plus a check that every pattern layer has a module).",
         "Model-level parity on random forests (depth 1..4, single-token segments, skewed siblings): "
         "per-edge losses and gradients equal to dense training within the tolerances of the "
         "tests (float32 on CPU), with M, *, -, E layers, tied and untied embeddings, activation "
-        "recompute; multi-process gloo jobs under TP, SP, EP, DP and PP against the TP = 1 dense "
+        "recompute; multi-process gloo jobs under TP, SP, CP, EP, DP and PP against the TP = 1 dense "
         "reference (losses rel 1e-5, gradients rel 1e-4, MoE counts equal).",
-        "Context parallelism, CUDA graphs, FP8/FP4, dropout, sliding windows, MLA, the MTP loss "
-        "and inference caches are rejected by validation with the setting named; TP with MoE "
-        "needs sequence parallelism, PP needs variable_seq_lengths.",
+        "CUDA graphs, FP8/FP4, dropout, sliding windows, MLA, the MTP loss and inference caches "
+        "are rejected by validation with the setting named; TP with MoE needs sequence "
+        "parallelism, PP needs variable_seq_lengths, CP needs rows that split into equal chunks "
+        "and heads that divide over the ranks.",
     ),
     PullRequest(
         7,
@@ -251,6 +254,12 @@ RULES = (
         "contextvars scope read by the tree-aware submodules",
     ),
     Rule(
+        "megatron/shared_prefix/context_parallel.py",
+        _HYBRID + "context_parallel.py",
+        2,
+        "host-side split of a row's tokens and loss edges over context-parallel ranks",
+    ),
+    Rule(
         "megatron/shared_prefix/tensor_parallel/",
         "megatron/core/tensor_parallel/shared_prefix/",
         2,
@@ -291,6 +300,12 @@ RULES = (
     ),
     Rule("tests/unit_tests/attention/", "tests/unit_tests/transformer/tree_attention/", 4, "tests"),
     Rule("tests/unit_tests/test_tensors.py", _HYBRID_TESTS + "test_tensors.py", 4, "test"),
+    Rule(
+        "tests/unit_tests/test_context_parallel.py",
+        _HYBRID_TESTS + "test_context_parallel.py",
+        2,
+        "test",
+    ),
     # PR 5: MoE multiplicities.
     Rule(
         "megatron/shared_prefix/moe/",
@@ -400,6 +415,12 @@ RULES = (
     ),
     Rule("examples/", "examples/", 8, "JSONL examples of docs/data.md, read by the training tests"),
     Rule("tests/unit_tests/training/", "tests/unit_tests/training/shared_prefix/", 8, "tests"),
+    Rule(
+        "tests/unit_tests/chat_tokenizer.py",
+        "tests/unit_tests/training/shared_prefix/chat_tokenizer.py",
+        8,
+        "small chat tokenizers trained on the fly for the text-data tests",
+    ),
     Rule(
         "tools/record_checkpoint_integrity.py",
         "tools/record_checkpoint_integrity.py",
