@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -379,7 +380,9 @@ def test_capacity_rule_applies_after_tokenization(tokenizers, write_jsonl):
 
 
 def test_the_text_examples_load(tokenizers):
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    repo = str(
+        next(p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir())
+    )
     chats = tokenized(os.path.join(repo, "examples", "chat_text.jsonl"), tokenizers(CHATML))
     assert len(chats.examples) == 9 and chats.sharing.shared == chats.sharing.snapshots == 6
     groups = tokenized(os.path.join(repo, "examples", "rl_text.jsonl"), tokenizers(CHATML))
@@ -490,7 +493,9 @@ def test_two_processes_tokenize_once(tmp_path, write_jsonl, chat_tokenizer_dir):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    root = str(
+        next(p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir())
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONWARNINGS="ignore")
     command = [
         sys.executable,
