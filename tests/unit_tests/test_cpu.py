@@ -64,7 +64,8 @@ def test_mixer_binds_the_torch_fallback_when_mamba_ssm_is_missing():
 
 def test_fallback_refuses_a_mixer_imported_without_it():
     """A mixer that bound placeholders cannot be helped afterwards: the fallback says so. A mixer
-    that binds the fallback itself (megatron-core's, in the upstream stack, without CUDA) uses it."""
+    that binds the fallback itself (megatron-core's, in the upstream stack, without CUDA) uses it.
+    """
     result = run_python(
         "import importlib.util, sys\n"
         "if importlib.util.find_spec('mamba_ssm') is not None: sys.exit(0)\n"
