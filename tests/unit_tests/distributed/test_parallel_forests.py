@@ -76,13 +76,19 @@ def launch(world_size: int, names: list[str], out_path: str, timeout: int = 600)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """world size -> case -> result, each job launched once, on first use."""
+    """world size -> case -> result, each job launched once, on first use (a failed job fails
+    every case of it, with its report, rather than being launched again)."""
     cache = {}
 
     def get(world_size: int) -> dict:
         if world_size not in cache:
             out = tmp_path_factory.mktemp(f"world{world_size}") / "results.json"
-            cache[world_size] = launch(world_size, JOBS[world_size], str(out))
+            try:
+                cache[world_size] = launch(world_size, JOBS[world_size], str(out))
+            except (AssertionError, subprocess.TimeoutExpired) as failure:
+                cache[world_size] = failure
+        if isinstance(cache[world_size], Exception):
+            raise cache[world_size]
         return cache[world_size]
 
     return get
