@@ -51,26 +51,6 @@ def write_conversations(path: str, count: int, words: list[str], seed: int = 0) 
     return os.path.getsize(path)
 
 
-def _flags(directory: str) -> argparse.Namespace:
-    return argparse.Namespace(
-        tokenizer_type="HuggingFaceTokenizer",
-        tokenizer_model=directory,
-        chat_template=None,
-        vocab_file=None,
-        merge_file=None,
-        special_tokens=None,
-        tokenizer_hf_no_use_fast=False,
-        tokenizer_hf_no_include_special_tokens=False,
-        trust_remote_code=False,
-        metadata_path=None,
-        pad_vocab_size=True,
-        padded_vocab_size=None,
-        make_vocab_size_divisible_by=128,
-        tensor_model_parallel_size=1,
-        rank=0,
-    )
-
-
 def main() -> None:
     """Generate the file, load it twice, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
@@ -85,13 +65,13 @@ def main() -> None:
     from chat_tokenizer import CHATML, CHATML_MARKED, corpus_words, save_chat_tokenizer
 
     from megatron.shared_prefix.training.text_data import TextDataConfig, load_text_dataset
-    from megatron.shared_prefix.training.tokenizer import build_text_tokenizer
+    from megatron.shared_prefix.training.tokenizer import build_text_tokenizer, tokenizer_arguments
 
     workdir = options.workdir or tempfile.mkdtemp(prefix="bench_text_loader_")
     directory = options.tokenizer_model or save_chat_tokenizer(
         os.path.join(workdir, "tokenizer"), CHATML_MARKED if options.marked else CHATML
     )
-    tokenizer = build_text_tokenizer(_flags(directory))
+    tokenizer = build_text_tokenizer(tokenizer_arguments(directory))
     path = os.path.join(workdir, "conversations.jsonl")
     size = write_conversations(path, options.conversations, corpus_words())
     config = TextDataConfig(

@@ -52,6 +52,7 @@ __all__ = [
     "HuggingFaceText",
     "SENTENCEPIECE_TYPES",
     "build_text_tokenizer",
+    "tokenizer_arguments",
     "is_plain_chat",
     "uses_text_tokenizer",
 ]
@@ -368,6 +369,31 @@ def _check_tiktoken_vocab_size(args: argparse.Namespace) -> None:
             f"--tokenizer-model + --tiktoken-num-special-tokens {args.tiktoken_num_special_tokens})"
             f", got {args.vocab_size}"
         )
+
+
+def tokenizer_arguments(tokenizer_model: str, **flags) -> argparse.Namespace:
+    """The flags :func:`build_text_tokenizer` reads, for a caller outside pretrain_hybrid.py (a
+    tool, a test): a HuggingFace tokenizer directory ``tokenizer_model`` with Megatron's defaults,
+    one process, no tensor parallelism; ``flags`` override (e.g. ``tokenizer_type=``,
+    ``chat_template=``)."""
+    defaults = dict(
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=tokenizer_model,
+        chat_template=None,
+        vocab_file=None,
+        merge_file=None,
+        special_tokens=None,
+        tokenizer_hf_no_use_fast=False,
+        tokenizer_hf_no_include_special_tokens=False,
+        trust_remote_code=False,
+        metadata_path=None,
+        pad_vocab_size=True,
+        padded_vocab_size=None,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1,
+        rank=0,
+    )
+    return argparse.Namespace(**{**defaults, **flags})
 
 
 def build_text_tokenizer(args: argparse.Namespace) -> TextTokenizer:

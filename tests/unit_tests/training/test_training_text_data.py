@@ -35,7 +35,11 @@ from megatron.shared_prefix.training.text_data import (
     load_text_dataset,
     tokenize_file,
 )
-from megatron.shared_prefix.training.tokenizer import TokenizerError, build_text_tokenizer
+from megatron.shared_prefix.training.tokenizer import (
+    TokenizerError,
+    build_text_tokenizer,
+    tokenizer_arguments,
+)
 
 SYSTEM = {"role": "system", "content": "you are a good help"}
 TURNS = [
@@ -77,23 +81,7 @@ def tokenizers(tmp_path_factory):
 
 def tokenizer_flags(directory):
     """The flags megatron-core's build_tokenizer reads, as pretrain_hybrid.py parses them."""
-    return argparse.Namespace(
-        tokenizer_type="HuggingFaceTokenizer",
-        tokenizer_model=directory,
-        chat_template=None,
-        vocab_file=None,
-        merge_file=None,
-        special_tokens=None,
-        tokenizer_hf_no_use_fast=False,
-        tokenizer_hf_no_include_special_tokens=False,
-        trust_remote_code=False,
-        metadata_path=None,
-        pad_vocab_size=True,
-        padded_vocab_size=None,
-        make_vocab_size_divisible_by=128,
-        tensor_model_parallel_size=1,
-        rank=0,
-    )
+    return tokenizer_arguments(directory)
 
 
 def tokenized(path, tokenizer, supervise="all-assistant"):
