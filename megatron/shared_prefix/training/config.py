@@ -183,7 +183,7 @@ class ScheduleConfig:
     clip_grad: float
 
     def __post_init__(self):
-        _require(self.train_iters >= 1, f"--train-iters must be >= 1, got {self.train_iters}")
+        _require(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}")
         _require(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         _require(
             0 <= self.min_lr <= self.lr, f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]"
@@ -192,6 +192,8 @@ class ScheduleConfig:
         _require(
             self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}"
         )
+        if self.train_iters == 0:
+            return  # the seed checkpoint: no schedule is built
         decay_iters = self.lr_decay_iters or self.train_iters
         _require(decay_iters >= 1, f"--lr-decay-iters must be >= 1, got {self.lr_decay_iters}")
         _require(
@@ -230,6 +232,14 @@ class CheckpointConfig:
         check_finite: stop at a non-finite loss or gradient norm
             (``--[no-]check-for-nan-in-loss-and-grad``); saving always refuses non-finite state.
         ckpt_step: iteration to load instead of the tracker's (``--ckpt-step``), or None.
+        pretrained: a checkpoint to start from when ``load`` holds none
+            (``--pretrained-checkpoint``): its weights only, at iteration 0, as ``--finetune``.
+        finetune: load the weights only and start at iteration 0 with a fresh optimizer and
+            schedule (``--finetune``).
+        load_optimizer: restore optimizer and schedule (off: ``--no-load-optim``).
+        load_rng: restore the RNG state (off: ``--no-load-rng``).
+        exit_interval: stop after an iteration that is a multiple of it, saving first when
+            ``save`` is set (``--exit-interval``), or None.
     """
 
     save: Optional[str]
@@ -237,6 +247,11 @@ class CheckpointConfig:
     save_interval: Optional[int]
     check_finite: bool
     ckpt_step: Optional[int] = None
+    pretrained: Optional[str] = None
+    finetune: bool = False
+    load_optimizer: bool = True
+    load_rng: bool = True
+    exit_interval: Optional[int] = None
 
     def __post_init__(self):
         _require(
@@ -244,7 +259,7 @@ class CheckpointConfig:
             f"--save-interval must be >= 1, got {self.save_interval}",
         )
         _require(
-            self.ckpt_step is None or self.load is not None,
+            self.ckpt_step is None or self.load is not None or self.pretrained is not None,
             f"--ckpt-step {self.ckpt_step} needs --load (the directory to load it from)",
         )
         if self.load is not None and not os.path.isdir(self.load):
@@ -257,6 +272,14 @@ class CheckpointConfig:
                 f"--load {self.load}: no such directory (to start from scratch, leave --load out; "
                 "to resume automatically, give the same directory as --save)",
             )
+        _require(
+            self.pretrained is None or os.path.isdir(self.pretrained),
+            f"--pretrained-checkpoint {self.pretrained}: no such directory",
+        )
+        _require(
+            self.exit_interval is None or self.exit_interval >= 1,
+            f"--exit-interval must be >= 1, got {self.exit_interval}",
+        )
 
 
 # Megatron flags whose non-default values the single-process loop cannot honour -> the value needed.
@@ -271,9 +294,10 @@ LOOP_UNSUPPORTED = {
     "rampup_batch_size": None,
     "decoupled_lr": None,
     "use_distributed_optimizer": False,
-    "finetune": False,
-    "no_load_optim": None,
-    "no_load_rng": None,
+    "use_checkpoint_args": False,
+    "override_opt_param_scheduler": False,
+    "use_checkpoint_opt_param_scheduler": False,
+    "ckpt_format": "torch_dist",
 }
 
 
@@ -374,6 +398,11 @@ class RunConfig:
                 save_interval=args.save_interval,
                 check_finite=args.check_for_nan_in_loss_and_grad,
                 ckpt_step=args.ckpt_step,
+                pretrained=args.pretrained_checkpoint,
+                finetune=bool(args.finetune),
+                load_optimizer=not args.no_load_optim,
+                load_rng=not args.no_load_rng,
+                exit_interval=args.exit_interval,
             ),
         )
 
@@ -401,9 +430,18 @@ def check_flags_before_megatron(args: argparse.Namespace) -> None:
         args.micro_batch_size is not None,
         "--micro-batch-size is required (1 fits every packed row; see docs/training.md)",
     )
-    for name in ("global_batch_size", "micro_batch_size", "train_iters"):
+    for name in ("global_batch_size", "micro_batch_size"):
         value = getattr(args, name)
         _require(value is None or value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+    _require(
+        args.train_iters is None or args.train_iters >= 0,
+        f"--train-iters must be >= 0, got {args.train_iters}",
+    )
+    _require(
+        not args.num_experts or args.num_experts % args.expert_model_parallel_size == 0,
+        f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
+        f"{args.expert_model_parallel_size} (every expert rank holds the same number of experts)",
+    )
     _require(
         args.save_interval is None or args.save_interval >= 1,
         f"--save-interval must be >= 1, got {args.save_interval}",
@@ -493,10 +531,9 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
         )
     if trainer == "loop":
         _require(
-            args.world_size == 1 or (args.save is None and args.load is None),
-            f"--save/--load with WORLD_SIZE={args.world_size}: the loop's checkpoints hold one "
-            "process's whole model; a multi-process loop run cannot save or resume yet (train "
-            "through megatron.training on CUDA for distributed checkpoints)",
+            args.train_iters != 0 or args.save is not None,
+            "--train-iters 0 without --save does nothing (with --save it writes the seed "
+            "checkpoint of iteration 0: the initial weights, loadable at any layout)",
         )
         for name, needed in LOOP_UNSUPPORTED.items():
             value = getattr(args, name)

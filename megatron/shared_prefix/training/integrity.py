@@ -174,7 +174,7 @@ def intact_iterations(directory: str) -> list[int]:
     return [i for i in _iterations_on_disk(directory) if verify_iteration(directory, i) is None]
 
 
-def tracked_iteration(directory: str) -> Optional[int]:
+def tracked_iteration(directory: str, flag: str = "--load") -> Optional[int]:
     """The iteration ``directory``'s tracker file names, or None when there is no tracker.
 
     Raises:
@@ -187,31 +187,37 @@ def tracked_iteration(directory: str) -> Optional[int]:
         text = handle.read().strip()
     if not text.isdigit():
         raise CheckpointError(
-            f"--load {directory}: {tracker} holds {text[:40]!r}, not an iteration number"
-            + _way_forward(directory, None)
+            f"{flag} {directory}: {tracker} holds {text[:40]!r}, not an iteration number"
+            + _way_forward(directory, None, flag)
         )
     return int(text)
 
 
-def _way_forward(directory: str, bad: Optional[int]) -> str:
+def _way_forward(directory: str, bad: Optional[int], flag: str = "--load") -> str:
     """How to continue: the newest intact iteration (other than ``bad``) and how to load it."""
     candidates = [i for i in intact_iterations(directory) if i != bad]
     if not candidates:
         return (
-            f"; {directory} holds no intact checkpoint: train from scratch without --load "
-            "(or with another --load directory)"
+            f"; {directory} holds no intact checkpoint: train from scratch without {flag} "
+            f"(or with another {flag} directory)"
         )
     newest = candidates[-1]
     return (
         f"; the newest intact checkpoint is iteration {newest}: resume from it with "
-        f"--load {directory} --ckpt-step {newest}"
+        f"{flag} {directory} --ckpt-step {newest}"
     )
 
 
 def iteration_to_load(
-    directory: str, step: Optional[int] = None, *, shard: tuple[int, int] = (0, 1)
+    directory: str,
+    step: Optional[int] = None,
+    *,
+    shard: tuple[int, int] = (0, 1),
+    flag: str = "--load",
 ) -> Optional[int]:
     """The iteration that ``--load directory`` (and ``--ckpt-step step``) would load, verified.
+
+    ``flag`` names the directory's flag in messages (``--pretrained-checkpoint``).
 
     Returns:
         The iteration, or None when ``directory`` has no tracker and no ``step`` is asked for
@@ -220,7 +226,7 @@ def iteration_to_load(
     Raises:
         CheckpointError: naming the bad file, the newest intact iteration and how to load it.
     """
-    iteration = step if step is not None else tracked_iteration(directory)
+    iteration = step if step is not None else tracked_iteration(directory, flag)
     if iteration is None:
         return None
     problem = verify_iteration(directory, iteration, shard=shard)
@@ -229,9 +235,9 @@ def iteration_to_load(
         root = iteration_dir(directory, iteration)
         unrecorded = os.path.isdir(root) and not os.path.isfile(os.path.join(root, RECORD_NAME))
         raise CheckpointError(
-            f"--load {directory}: the checkpoint of iteration {iteration} ({source}) is not "
+            f"{flag} {directory}: the checkpoint of iteration {iteration} ({source}) is not "
             f"intact: {problem}"
-            + _way_forward(directory, iteration)
+            + _way_forward(directory, iteration, flag)
             + (
                 "; a checkpoint saved without a record (by an earlier version, or elsewhere) can "
                 "be recorded once you trust it: python tools/record_checkpoint_integrity.py "

@@ -18,6 +18,7 @@ biases and norms, and megatron-core's OptimizerParamScheduler counted in example
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -28,11 +29,14 @@ import torch
 from megatron.shared_prefix.training.arguments import parse_arguments
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch
 from megatron.shared_prefix.training.checkpointing import (
+    CheckpointHeader,
     TrainingPosition,
+    check_signature,
     load_checkpoint,
+    read_header,
     save_checkpoint,
 )
-from megatron.shared_prefix.training.config import RunConfig, ScheduleConfig
+from megatron.shared_prefix.training.config import ConfigError, RunConfig, ScheduleConfig
 from megatron.shared_prefix.training.data import ExampleStream, repetition_warning
 from megatron.shared_prefix.training.distributed import init_single_process
 from megatron.shared_prefix.training.integrity import iteration_to_load
@@ -40,6 +44,7 @@ from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, 
 from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
+    padded_vocab_size,
     transformer_config,
     weighted_loss_sum,
 )
@@ -67,7 +72,6 @@ _SIGNATURE_FLAGS = (
     "mamba_num_groups",
     "vocab_size",
     "padded_vocab_size",
-    "make_vocab_size_divisible_by",
     "position_embedding_type",
     "normalization",
     "add_bias_linear",
@@ -77,8 +81,63 @@ _SIGNATURE_FLAGS = (
 
 
 def model_signature(args) -> dict:
-    """Flag -> value for every flag that shapes the network."""
-    return {"--" + name.replace("_", "-"): getattr(args, name) for name in _SIGNATURE_FLAGS}
+    """Flag -> value for every flag that shapes the network, independent of the parallel layout:
+    the pattern without its pipeline-stage marks ``|``, and the vocabulary's padded size as built
+    (``args.padded_vocab_size``, set by :func:`run`)."""
+    signature = {"--" + name.replace("_", "-"): getattr(args, name) for name in _SIGNATURE_FLAGS}
+    signature["--hybrid-layer-pattern"] = args.hybrid_layer_pattern.replace("|", "")
+    return signature
+
+
+def _checkpoint_to_load(checkpoint) -> Optional[CheckpointHeader]:
+    """The header of what the run starts from, verified: ``--load``'s checkpoint, or when that
+    directory holds none (or is not given), ``--pretrained-checkpoint``'s, as in Megatron.
+
+    Raises:
+        CheckpointError: naming the damaged file and the way forward.
+        ConfigError: when ``--pretrained-checkpoint`` holds no checkpoint.
+    """
+    if checkpoint.load:
+        iteration = iteration_to_load(checkpoint.load, checkpoint.ckpt_step)
+        if iteration is not None:
+            return read_header(checkpoint.load, iteration)
+    if not checkpoint.pretrained:
+        return None
+    flag = "--pretrained-checkpoint"
+    iteration = iteration_to_load(checkpoint.pretrained, checkpoint.ckpt_step, flag=flag)
+    if iteration is None:
+        raise ConfigError(
+            f"{flag} {checkpoint.pretrained}: no checkpoint there (no "
+            "latest_checkpointed_iteration.txt; name an iteration with --ckpt-step)"
+        )
+    return read_header(checkpoint.pretrained, iteration, flag)
+
+
+def _match_vocabulary(args, header: CheckpointHeader, log: Callable[[str], None]) -> None:
+    """Build the checkpoint's padded vocabulary when it differs from this layout's padding but is
+    divisible by the TP size (megatron pads the vocabulary to a multiple of
+    ``--make-vocab-size-divisible-by`` x TP, so loading at another TP size would otherwise change
+    the embedding's rows).
+
+    Raises:
+        ConfigError: when the checkpoint's rows cannot be split over this TP size.
+    """
+    saved = header.signature.get("--padded-vocab-size")
+    if saved is None or saved == args.padded_vocab_size:
+        return
+    tensor = args.tensor_model_parallel_size
+    if saved % tensor:
+        raise ConfigError(
+            f"{header.flag} {header.directory}: its padded vocabulary of {saved} rows cannot be "
+            f"split over --tensor-model-parallel-size {tensor}; load it at a TP size that "
+            f"divides {saved}"
+        )
+    log(
+        f"[shared-prefix] {header.flag} {header.directory}: keeping its padded vocabulary of "
+        f"{saved} rows (--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} at "
+        f"TP {tensor} would pad to {args.padded_vocab_size})"
+    )
+    args.padded_vocab_size = saved
 
 
 def build_optimizer(model: torch.nn.Module, schedule: ScheduleConfig) -> torch.optim.Optimizer:
@@ -169,10 +228,11 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
     if args.rank != args.world_size - 1:
         log = _quiet
     dataset = config.data.load(log)
-    checkpoint = config.checkpoint
-    resume_iteration = (
-        iteration_to_load(checkpoint.load, checkpoint.ckpt_step) if checkpoint.load else None
-    )
+    header = _checkpoint_to_load(config.checkpoint)
+    args.padded_vocab_size = padded_vocab_size(args)
+    if header is not None:
+        _match_vocabulary(args, header, log)
+        check_signature(header, model_signature(args))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     where = device.type
@@ -205,9 +265,7 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         log(warning)
     try:
         trainer = _Trainer(args, config, device, log)
-        return trainer.train(
-            ExampleStream(dataset, config.batch.global_batch_size), resume_iteration
-        )
+        return trainer.train(ExampleStream(dataset, config.batch.global_batch_size), header)
     finally:
         torch.set_num_threads(threads)
 
@@ -223,16 +281,21 @@ class _Trainer:
         self.stepper = None
         # The last rank (last pipeline stage) reports for the world.
         self.reporting = args.rank == args.world_size - 1
+        layout = ParallelLayout.from_args(args)
         if args.world_size > 1:
-            self.model, device = build_parallel_model(args, ParallelLayout.from_args(args))
+            self.model, device = build_parallel_model(args, layout)
             self.stepper = ParallelStepper(self.model, config.batch, device)
         else:
             init_single_process(device, args.seed)
             torch.manual_seed(args.seed)
             self.model = build_model(args, transformer_config(args, portable=True)).to(device)
+        self.layout = {**dataclasses.asdict(layout), "world_size": args.world_size}
         self.optimizer = build_optimizer(self.model, config.schedule)
-        self.scheduler = build_scheduler(
-            self.optimizer, config.schedule, config.batch.global_batch_size
+        # --train-iters 0 only writes the seed checkpoint: there is no schedule to build.
+        self.scheduler = (
+            build_scheduler(self.optimizer, config.schedule, config.batch.global_batch_size)
+            if config.schedule.train_iters
+            else None
         )
         self.signature = model_signature(args)
         self.config = config
@@ -245,33 +308,62 @@ class _Trainer:
             "tokens"
         )
 
-    def _resume(self, iteration: Optional[int]) -> TrainingPosition:
-        """The position to start from: the verified checkpoint of ``iteration``, or the beginning
-        (``iteration`` None: no ``--load``, or nothing saved in it yet)."""
-        directory = self.config.checkpoint.load
-        if iteration is None:
-            if directory:
+    def _resume(self, header: Optional[CheckpointHeader]) -> TrainingPosition:
+        """Restore what ``header`` describes (signature checked) and return the position to start
+        from; the beginning when ``header`` is None (no ``--load``, or nothing saved in it yet).
+
+        ``--finetune`` and ``--pretrained-checkpoint`` load the weights only and start at
+        iteration 0; ``--no-load-optim`` keeps the position but starts a fresh optimizer and
+        schedule, and ``--no-load-rng`` the RNG, as in megatron.training. The seed checkpoint
+        (iteration 0) holds weights only, which is the whole state at iteration 0.
+        """
+        checkpoint = self.config.checkpoint
+        if header is None:
+            if checkpoint.load:
                 self.log(
-                    f"[shared-prefix] --load {directory}: no checkpoint yet, starting from scratch"
+                    f"[shared-prefix] --load {checkpoint.load}: no checkpoint yet, starting from "
+                    "scratch"
                 )
             return TrainingPosition(iteration=0, consumed_samples=0)
-        loaded = load_checkpoint(
-            directory,
-            iteration,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            signature=self.signature,
+        weights_only = (
+            checkpoint.finetune
+            or header.flag == "--pretrained-checkpoint"
+            or header.position.iteration == 0
         )
-        self.log(f"[shared-prefix] resumed from {directory} at iteration {loaded.iteration}")
-        return loaded
+        restore_optimizer = not weights_only and checkpoint.load_optimizer
+        note = load_checkpoint(
+            header,
+            model=self.model,
+            optimizer=self.optimizer if restore_optimizer else None,
+            scheduler=self.scheduler if restore_optimizer else None,
+            layout=self.layout,
+            load_rng=not weights_only and checkpoint.load_rng,
+        )
+        if note:
+            self.log(f"[shared-prefix] {header.flag} {header.directory}: {note}")
+        if weights_only:
+            self.log(
+                f"[shared-prefix] started from the weights of {header.directory} iteration "
+                f"{header.position.iteration} (fresh optimizer and schedule, iteration 0)"
+            )
+            return TrainingPosition(iteration=0, consumed_samples=0)
+        self.log(
+            f"[shared-prefix] resumed from {header.directory} at iteration "
+            f"{header.position.iteration}"
+            + ("" if restore_optimizer else " (fresh optimizer and schedule: --no-load-optim)")
+        )
+        return header.position
 
     def train(
-        self, stream: ExampleStream, resume_iteration: Optional[int] = None
+        self, stream: ExampleStream, header: Optional[CheckpointHeader] = None
     ) -> list[StepMetrics]:
-        """Resume from ``resume_iteration`` (verified) if given, run to ``--train-iters``; save at
-        ``--save-interval`` and after the last step."""
-        position = self._resume(resume_iteration)
+        """Start from the checkpoint ``header`` describes (verified) if given, run to
+        ``--train-iters`` (or ``--exit-interval``); save at ``--save-interval`` and after the last
+        step. ``--train-iters 0`` saves the seed checkpoint of iteration 0 and returns."""
+        position = self._resume(header)
+        if self.config.schedule.train_iters == 0:
+            self._save(position, loss=0.0, grad_norm=0.0)
+            return []
         logging = self.config.logging
         writer = MetricsWriter(
             log_interval=logging.log_interval,
@@ -304,7 +396,14 @@ class _Trainer:
                 )
                 writer.write(metrics)
                 history.append(metrics)
-                self._maybe_save(position, metrics)
+                exit_interval = self.config.checkpoint.exit_interval
+                stop = bool(exit_interval) and iteration % exit_interval == 0
+                self._maybe_save(position, metrics, stop)
+                if stop:
+                    self.log(
+                        f"[shared-prefix] exiting after iteration {iteration} (--exit-interval)"
+                    )
+                    break
         finally:
             writer.close()
         return history
@@ -353,20 +452,25 @@ class _Trainer:
         }
         return totals, grad_norm
 
-    def _maybe_save(self, position: TrainingPosition, metrics: StepMetrics) -> None:
-        """Save at every ``--save-interval`` iterations and after the last one."""
+    def _maybe_save(self, position: TrainingPosition, metrics: StepMetrics, stop: bool) -> None:
+        """Save at every ``--save-interval`` iterations, after the last one, and before an exit
+        (``stop``)."""
         checkpoint = self.config.checkpoint
         last = position.iteration == metrics.train_iters
-        if not checkpoint.save or not (position.iteration % checkpoint.save_interval == 0 or last):
-            return
+        due = position.iteration % checkpoint.save_interval == 0 if checkpoint.save else False
+        if checkpoint.save and (due or last or stop):
+            self._save(position, loss=metrics.loss, grad_norm=metrics.grad_norm)
+
+    def _save(self, position: TrainingPosition, *, loss: float, grad_norm: float) -> None:
         path = save_checkpoint(
-            checkpoint.save,
+            self.config.checkpoint.save,
             position,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             signature=self.signature,
-            loss=metrics.loss,
-            grad_norm=metrics.grad_norm,
+            layout=self.layout,
+            loss=loss,
+            grad_norm=grad_norm,
         )
         self.log(f"[shared-prefix] saved checkpoint at iteration {position.iteration} to {path}")

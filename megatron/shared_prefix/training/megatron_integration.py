@@ -50,6 +50,7 @@ from megatron.shared_prefix.training.batching import StepBatch, build_step_batch
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
 from megatron.shared_prefix.training.data import Dataset, ExampleStream, repetition_warning
 from megatron.shared_prefix.training.integrity import (
+    TRACKER_NAME,
     iteration_dir,
     iteration_to_load,
     write_integrity_record,
@@ -486,21 +487,33 @@ def with_integrity_records(save_checkpoint: Callable, checkpointing) -> Callable
 
 
 def verify_load_directory(args) -> Optional[int]:
-    """Verify the checkpoint that Megatron will load from ``--load`` (tracker or ``--ckpt-step``).
+    """Verify the checkpoint that Megatron will load: ``--load``'s (tracker or ``--ckpt-step``),
+    or when that holds none, ``--pretrained-checkpoint``'s (which Megatron then loads as
+    ``--finetune``).
 
     Called before ``pretrain``: each rank (``RANK`` of ``WORLD_SIZE``) hashes its share of the
     files and checks the size of all of them.
 
     Returns:
-        The iteration that will be loaded, or None (no ``--load``, or nothing saved there yet).
+        The iteration that will be loaded, or None (nothing to load: training from scratch).
 
     Raises:
         CheckpointError: naming the bad file, the newest intact iteration and how to load it.
+        ConfigError: when ``--pretrained-checkpoint`` is needed and holds no checkpoint.
     """
-    if not args.load:
-        return None
     shard = (int(os.getenv("RANK", "0")), int(os.getenv("WORLD_SIZE", "1")))
-    return iteration_to_load(args.load, args.ckpt_step, shard=shard)
+    if args.load:
+        iteration = iteration_to_load(args.load, args.ckpt_step, shard=shard)
+        if iteration is not None:
+            return iteration
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if not pretrained:
+        return None
+    flag = "--pretrained-checkpoint"
+    iteration = iteration_to_load(pretrained, args.ckpt_step, shard=shard, flag=flag)
+    if iteration is None:
+        raise ConfigError(f"{flag} {pretrained}: no checkpoint there (no {TRACKER_NAME})")
+    return iteration
 
 
 def pretrain_with_megatron() -> None:

@@ -47,6 +47,19 @@ def transformer_config(args: argparse.Namespace, *, portable: bool = False):
     return core_transformer_config_from_args(args)
 
 
+def padded_vocab_size(args: argparse.Namespace) -> int:
+    """The embedding's rows: ``--padded-vocab-size`` when set (by the tokenizer, or kept from a
+    checkpoint), else the vocabulary padded as megatron.training pads it at this TP size."""
+    from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+    return getattr(args, "padded_vocab_size", None) or calculate_padded_vocab_size(
+        args.vocab_size,
+        args.make_vocab_size_divisible_by,
+        args.tensor_model_parallel_size,
+        logging_enabled=False,
+    )
+
+
 def build_model(
     args: argparse.Namespace,
     config,
@@ -57,23 +70,15 @@ def build_model(
     vp_stage: Optional[int] = None,
 ):
     """SharedPrefixHybridModel for ``args`` (pattern, vocabulary, positions) and ``config``."""
-    from megatron.training.vocab_utils import calculate_padded_vocab_size
-
     from megatron.shared_prefix.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
     from megatron.shared_prefix.models.hybrid.hybrid_model import SharedPrefixHybridModel
 
-    vocab_size = getattr(args, "padded_vocab_size", None) or calculate_padded_vocab_size(
-        args.vocab_size,
-        args.make_vocab_size_divisible_by,
-        args.tensor_model_parallel_size,
-        logging_enabled=False,
-    )
     return SharedPrefixHybridModel(
         config,
         hybrid_stack_spec=hybrid_stack_spec(
             args.num_experts, use_te=args.transformer_impl == "transformer_engine"
         ),
-        vocab_size=vocab_size,
+        vocab_size=padded_vocab_size(args),
         max_sequence_length=args.max_position_embeddings,
         hybrid_layer_pattern=args.hybrid_layer_pattern,
         pre_process=pre_process,

@@ -33,6 +33,7 @@ from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
     micro_batch_units,
+    padded_vocab_size,
     transformer_config,
     weighted_loss_sum,
 )
@@ -81,7 +82,7 @@ class ParallelLayout:
         )
 
 
-def _unsharded_args(args: argparse.Namespace, padded_vocab_size: int) -> argparse.Namespace:
+def _unsharded_args(args: argparse.Namespace, vocab_rows: int) -> argparse.Namespace:
     """``args`` of the same network at TP = PP = EP = 1 (the same padded vocabulary)."""
     full = copy.copy(args)
     full.tensor_model_parallel_size = full.pipeline_model_parallel_size = 1
@@ -90,7 +91,7 @@ def _unsharded_args(args: argparse.Namespace, padded_vocab_size: int) -> argpars
     full.context_parallel_size = 1
     full.variable_seq_lengths = False
     full.hybrid_layer_pattern = args.hybrid_layer_pattern.replace("|", "")
-    full.padded_vocab_size = padded_vocab_size
+    full.padded_vocab_size = vocab_rows
     return full
 
 
@@ -104,26 +105,20 @@ def build_parallel_model(args: argparse.Namespace, layout: ParallelLayout):
     while the run starts.
     """
     from megatron.core import parallel_state
-    from megatron.training.vocab_utils import calculate_padded_vocab_size
 
     from megatron.shared_prefix.tensor_parallel.full_tensors import load_full_tensors
     from megatron.shared_prefix.training.distributed import init_parallel
 
-    padded_vocab_size = getattr(args, "padded_vocab_size", None) or calculate_padded_vocab_size(
-        args.vocab_size,
-        args.make_vocab_size_divisible_by,
-        args.tensor_model_parallel_size,
-        logging_enabled=False,
-    )
+    vocab_rows = padded_vocab_size(args)
     init_parallel(seed=args.seed)
-    full_args = _unsharded_args(args, padded_vocab_size)
+    full_args = _unsharded_args(args, vocab_rows)
     torch.manual_seed(args.seed)
     full = build_model(full_args, transformer_config(full_args, portable=True))
     weights = {name: param.detach() for name, param in full.named_parameters()}
     del full
     device = layout.init(args.seed)
     sharded = copy.copy(args)
-    sharded.padded_vocab_size = padded_vocab_size
+    sharded.padded_vocab_size = vocab_rows
     torch.manual_seed(args.seed)
     model = build_model(
         sharded,

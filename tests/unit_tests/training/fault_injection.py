@@ -6,7 +6,6 @@ module and the trainer once: forking the test process itself is not safe once au
 threads exist there.
 """
 
-import io
 import os
 import signal
 import traceback
@@ -15,18 +14,17 @@ import torch
 
 from megatron.shared_prefix.training import checkpointing, loop
 
-# Points of a save: the iteration directory created and nothing written (start), a prefix of the
-# checkpoint file written (mid-file), and before / after the N-th rename of the save: 1 the
-# checkpoint file, 2 the integrity record, 3 the tracker. after-rename-1 is between the files and
-# before the record.
+# Points of a save: the iteration directory created and nothing written (start), the files of
+# megatron's distributed save written with one of them cut short (mid-file) or whole
+# (after-files), and before / after the N-th rename after them: 1 the integrity record, 2 the
+# tracker.
 KILL_POINTS = (
     "start",
     "mid-file",
+    "after-files",
     "before-rename-1",
     "after-rename-1",
     "before-rename-2",
-    "after-rename-2",
-    "before-rename-3",
 )
 
 
@@ -44,7 +42,7 @@ _import_what_the_loop_imports_on_first_use()
 
 def train_and_kill(argv, point, iteration, cut):
     """Run the loop on ``argv``; SIGKILL at ``point`` of the save of ``iteration`` (``cut``: the
-    fraction of the checkpoint file written at ``mid-file``). Exits 3 if no kill happened."""
+    fraction of the largest checkpoint file kept at ``mid-file``). Exits 3 if no kill happened."""
     try:
         _install(point, iteration, cut)
         loop.run(argv, log=lambda line: None)
@@ -58,34 +56,52 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _largest_file(root):
+    sizes = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            sizes[os.path.join(folder, name)] = os.path.getsize(os.path.join(folder, name))
+    return max(sizes, key=sizes.get)
+
+
 def _install(point, iteration, cut):
-    save, replace, torch_save = checkpointing.save_checkpoint, os.replace, torch.save
-    state = {"saving": False, "renames": 0}
+    from megatron.core import dist_checkpointing
+
+    save, replace, distributed_save = (
+        checkpointing.save_checkpoint,
+        os.replace,
+        dist_checkpointing.save,
+    )
+    state = {"saving": False, "files_written": False, "renames": 0}
 
     def counting_replace(source, target):
-        if state["saving"]:
+        if state["files_written"]:
             state["renames"] += 1
             if point == f"before-rename-{state['renames']}":
                 _die()
         replace(source, target)
-        if state["saving"] and point == f"after-rename-{state['renames']}":
+        if state["files_written"] and point == f"after-rename-{state['renames']}":
             _die()
 
-    def partial_torch_save(obj, handle):
+    def watched_distributed_save(sharded_state_dict, directory, *args, **kwargs):
         if state["saving"] and point == "start":
             _die()
-        if state["saving"] and point == "mid-file":
-            buffer = io.BytesIO()
-            torch_save(obj, buffer)
-            handle.write(buffer.getvalue()[: int(cut * buffer.tell())])
-            handle.flush()
-            _die()
-        return torch_save(obj, handle)
+        result = distributed_save(sharded_state_dict, directory, *args, **kwargs)
+        if state["saving"]:
+            if point == "mid-file":
+                path = _largest_file(directory)
+                os.truncate(path, int(cut * os.path.getsize(path)))
+                _die()
+            if point == "after-files":
+                _die()
+            state["files_written"] = True
+        return result
 
     def watched_save(directory, position, **kwargs):
         state["saving"] = position.iteration == iteration
+        state["files_written"] = False
         return save(directory, position, **kwargs)
 
     os.replace = counting_replace
-    torch.save = partial_torch_save
+    dist_checkpointing.save = watched_distributed_save
     loop.save_checkpoint = watched_save

@@ -164,3 +164,11 @@ def test_parallel_flags_that_cannot_work_are_named(monkeypatch, flags, message):
     args = parse_arguments(list(flags))
     with pytest.raises(ConfigError, match=re.escape(message)):
         RunConfig.from_args(args, trainer="megatron")
+
+
+def test_experts_not_divisible_by_expert_parallelism_are_named(monkeypatch):
+    from megatron.shared_prefix.training.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="--num-experts 4 is not divisible by --expert-model"):
+        parse_arguments(["--expert-model-parallel-size", "3", "--global-batch-size", "12"])

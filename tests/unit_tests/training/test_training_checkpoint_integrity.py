@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron.shared_prefix.training import integrity
+from megatron.shared_prefix.training.config import ConfigError
 from megatron.shared_prefix.training.integrity import (
     RECORD_NAME,
     TRACKER_NAME,
@@ -48,6 +49,13 @@ def megatron_like_save(directory, iteration, payload=b"weights"):
     with open(os.path.join(directory, TRACKER_NAME), "w") as tracker:
         tracker.write(str(iteration))
     return root
+
+
+def saved_tensors(root):
+    """Every tensor of a distributed checkpoint (weights and optimizer moments) by its key."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    return {k: v for k, v in load_plain_tensors(root).items() if isinstance(v, torch.Tensor)}
 
 
 def flip_bytes(path, count=100, seed=0):
@@ -158,6 +166,23 @@ def test_megatron_saves_record_before_the_tracker_and_loads_are_verified(megatro
     assert verify_load_directory(argparse.Namespace(load=None, ckpt_step=None)) is None
 
 
+def test_pretrained_checkpoint_is_verified_when_load_holds_none(tmp_path):
+    """Megatron loads --pretrained-checkpoint (as --finetune) when --load holds no checkpoint;
+    that directory is verified the same way, and named in the error."""
+    pretrained = str(tmp_path / "pretrained")
+    write_integrity_record(megatron_like_save(pretrained, 6), 6)
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    args = argparse.Namespace(load=empty, ckpt_step=None, pretrained_checkpoint=pretrained)
+    assert verify_load_directory(args) == 6
+    flip_bytes(os.path.join(pretrained, "iter_0000006", "__1_0.distcp"), count=1)
+    with pytest.raises(CheckpointError, match=f"^--pretrained-checkpoint {pretrained}: the check"):
+        verify_load_directory(args)
+    os.remove(os.path.join(pretrained, TRACKER_NAME))
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        verify_load_directory(args)
+
+
 def test_megatron_save_without_the_tracker_call_is_recorded_after_it(megatron_world, tmp_path):
     from megatron.training.global_vars import set_args
 
@@ -181,21 +206,22 @@ def two_checkpoints(train, tmp_path):
     return history, save
 
 
+SHARDS = "__0_0.distcp"  # the tensors of megatron's distributed save (rank 0's file)
+
 DAMAGE = {
     "flipped bytes": (
-        lambda root: flip_bytes(os.path.join(root, "model_optim_rng.pt")),
-        "model_optim_rng.pt does not match its checksum",
+        lambda root: flip_bytes(os.path.join(root, SHARDS)),
+        f"{SHARDS} does not match its checksum",
     ),
     "truncated": (
         lambda root: os.truncate(
-            os.path.join(root, "model_optim_rng.pt"),
-            os.path.getsize(os.path.join(root, "model_optim_rng.pt")) // 2,
+            os.path.join(root, SHARDS), os.path.getsize(os.path.join(root, SHARDS)) // 2
         ),
         "(truncated or rewritten)",
     ),
     "zero-length": (
-        lambda root: os.truncate(os.path.join(root, "model_optim_rng.pt"), 0),
-        "model_optim_rng.pt has 0 bytes",
+        lambda root: os.truncate(os.path.join(root, SHARDS), 0),
+        f"{SHARDS} has 0 bytes",
     ),
     "deleted iteration": (shutil.rmtree, "iter_0000002 does not exist"),
     "no record": (
@@ -285,9 +311,7 @@ def test_kill_at_any_point_of_a_save_resumes_bit_identically(train, tmp_path, fo
     reference_dir = str(tmp_path / "reference")
     common = (*FAST, "--train-iters", "4", "--save-interval", "1")
     reference, _ = train(*common, "--save", reference_dir)
-    expected = torch.load(
-        os.path.join(reference_dir, "iter_0000004", "model_optim_rng.pt"), weights_only=True
-    )
+    expected = saved_tensors(os.path.join(reference_dir, "iter_0000004"))
     from fault_injection import KILL_POINTS
 
     rng = np.random.default_rng(17)
@@ -314,13 +338,10 @@ def test_kill_at_any_point_of_a_save_resumes_bit_identically(train, tmp_path, fo
         assert [(m.loss, m.grad_norm) for m in resumed] == [
             (m.loss, m.grad_norm) for m in reference[completed:]
         ], point
-        final = torch.load(
-            os.path.join(save, "iter_0000004", "model_optim_rng.pt"), weights_only=True
-        )
-        assert final["model"].keys() == expected["model"].keys()
-        for name, tensor in expected["model"].items():
-            if isinstance(tensor, torch.Tensor):
-                assert torch.equal(final["model"][name], tensor), (point, name)
+        final = saved_tensors(os.path.join(save, "iter_0000004"))
+        assert final.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(final[name], tensor), (point, name)
         records = [json.loads(line) for line in open(tmp_path / f"metrics{number}.jsonl")]
         assert [r["iteration"] for r in records] == [1, 2, 3, 4], point
         assert intact_iterations(save)[-1] == 4, point

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,7 @@ def test_saving_refuses_non_finite_state(train, tmp_path):
     assert not os.path.exists(tmp_path / "ckpt" / "iter_0000002")
 
 
-def test_save_checkpoint_checks_loss_and_gradient_norm(tmp_path):
+def test_save_checkpoint_checks_loss_and_gradient_norm(megatron_world, tmp_path):
     import torch
 
     model = torch.nn.Linear(2, 2)
@@ -171,6 +172,7 @@ def test_save_checkpoint_checks_loss_and_gradient_norm(tmp_path):
                 optimizer=optimizer,
                 scheduler=None,
                 signature={},
+                layout={},
                 loss=loss,
                 grad_norm=grad_norm,
             )
@@ -249,3 +251,130 @@ def test_global_batch_larger_than_the_dataset_is_warned_once(train):
     assert len(warnings) == 1
     assert "--global-batch-size 32 is larger than the 13 examples" in warnings[0]
     assert "2.46 times on average" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (("--num-query-groups", "4"), "--num-query-groups: checkpoint 2 vs now 4"),
+        (
+            ("--hybrid-layer-pattern", "*-E-"),
+            "--hybrid-layer-pattern: checkpoint '*-E' vs now '*-E-'",
+        ),
+    ],
+    ids=["query-groups", "pattern"],
+)
+def test_checkpoint_of_another_network_is_refused_before_anything_is_written(
+    train, tmp_path, flags, named
+):
+    save = str(tmp_path / "ckpt")
+    train(*FAST, "--train-iters", "1", "--save", save, "--save-interval", "1")
+    listing, metrics = sorted(os.listdir(save)), (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        train(
+            *FAST,
+            "--train-iters",
+            "2",
+            "--load",
+            save,
+            "--save",
+            save,
+            "--save-interval",
+            "1",
+            *flags,
+        )
+    assert sorted(os.listdir(save)) == listing
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_padded_vocabulary_of_a_checkpoint_is_kept_or_refused_by_tp_size():
+    import argparse
+
+    from megatron.shared_prefix.training.checkpointing import CheckpointHeader
+    from megatron.shared_prefix.training.loop import _match_vocabulary
+
+    header = CheckpointHeader(
+        "ckpt", "--load", TrainingPosition(4, 32), {"--padded-vocab-size": 96}, layout={}
+    )
+    args = argparse.Namespace(
+        padded_vocab_size=128, tensor_model_parallel_size=2, make_vocab_size_divisible_by=64
+    )
+    lines = []
+    _match_vocabulary(args, header, lines.append)
+    assert args.padded_vocab_size == 96 and "keeping its padded vocabulary of 96 rows" in lines[0]
+    args = argparse.Namespace(
+        padded_vocab_size=128, tensor_model_parallel_size=64, make_vocab_size_divisible_by=2
+    )
+    with pytest.raises(ConfigError, match="96 rows cannot be split over --tensor-model-parallel"):
+        _match_vocabulary(args, header, lines.append)
+
+
+def test_checkpoint_of_the_earlier_single_file_format_still_resumes(
+    megatron_world, train, tmp_path
+):
+    """A checkpoint written as earlier versions wrote it (iter_*/model_optim_rng.pt, the signature
+    of that version) resumes: the next step's loss is that of its weights on the next batch."""
+    import torch
+
+    from megatron.shared_prefix.training import loop
+    from megatron.shared_prefix.training.arguments import parse_arguments
+    from megatron.shared_prefix.training.batching import build_step_batch
+    from megatron.shared_prefix.training.config import RunConfig
+    from megatron.shared_prefix.training.data import ExampleStream
+    from megatron.shared_prefix.training.integrity import (
+        TRACKER_NAME,
+        iteration_dir,
+        write_integrity_record,
+    )
+    from megatron.shared_prefix.training.model import build_model, transformer_config
+
+    flags = [*FAST, "--train-iters", "3", "--global-batch-size", "8", "--lr-warmup-iters", "0"]
+    args = parse_arguments(flags)
+    config = RunConfig.from_args(args, trainer="loop")
+    torch.manual_seed(5)
+    model = build_model(args, transformer_config(args, portable=True))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    optimizer = loop.build_optimizer(model, config.schedule)
+    scheduler = loop.build_scheduler(optimizer, config.schedule, 8)
+    scheduler.step(increment=16)
+    signature = loop.model_signature(args)
+    # That version's signature: the pattern as given, the vocabulary padding by its flag.
+    signature.update(
+        {
+            "--padded-vocab-size": None,
+            "--make-vocab-size-divisible-by": args.make_vocab_size_divisible_by,
+        }
+    )
+    args.padded_vocab_size = None
+    directory = str(tmp_path / "legacy")
+    root = iteration_dir(directory, 2)
+    os.makedirs(root)
+    torch.save(
+        {
+            "iteration": 2,
+            "consumed_samples": 16,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "signature": signature,
+        },
+        os.path.join(root, "model_optim_rng.pt"),
+    )
+    write_integrity_record(root, 2)
+    Path(directory, TRACKER_NAME).write_text("2")
+    examples = ExampleStream(config.data.load(lambda line: None), 8).global_batch(16)
+    step = build_step_batch(
+        examples,
+        packing=True,
+        capacity=config.batch.capacity,
+        micro_batch_size=config.batch.micro_batch_size,
+        normalization=config.batch.normalization,
+    )
+    expected, _ = loop.train_step(model, step, clip_grad=1.0, device=torch.device("cpu"))
+    resumed, lines = train(*flags, "--load", directory)
+    assert any("resumed from" in line and "iteration 2" in line for line in lines)
+    assert [m.iteration for m in resumed] == [3]
+    assert resumed[0].loss == pytest.approx(expected, rel=1e-6)
