@@ -17,7 +17,7 @@ from torch import Tensor
 FLOAT32_CHUNK_ELEMENTS = 1 << 26
 
 
-class _EdgeCrossEntropy(torch.autograd.Function):
+class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-method
     """``-log softmax(logits[slot])[target]`` per edge, in float32, keeping for backward only the
     input logits and one float32 log-normalizer per source.
 
