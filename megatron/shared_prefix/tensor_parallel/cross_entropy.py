@@ -31,7 +31,8 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
 
     Backward: ``grad_logits[u] = softmax(logits[u]) * sum_{e: slot e = u} grad_e``, minus
     ``grad_e`` at ``(slot_e, target_e)``, both accumulated in float32 with ``index_put_``
-    (``accumulate=True``: sorted, deterministic, as autograd's backward of indexing) before one cast.
+    (``accumulate=True``: sorted, deterministic, as autograd's backward of indexing) before one
+    cast.
     """
 
     @staticmethod
