@@ -234,7 +234,11 @@ def model_config(pattern, hidden, heads, groups):
         num_query_groups=groups,
         kv_channels=128,
         ffn_hidden_size=4 * hidden,
-        **(dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=hidden) if moe else {}),
+        **(
+            {"num_moe_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": hidden}
+            if moe
+            else {}
+        ),
         mamba_state_dim=128,
         mamba_head_dim=64,
         mamba_num_groups=8,
@@ -253,6 +257,7 @@ def model_config(pattern, hidden, heads, groups):
 
 
 def build_model(pattern, args, device):
+    """SharedPrefixHybridModel of ``pattern`` (seed 0) on ``device``."""
     from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
 
     config = model_config(pattern, args.hidden, args.heads, args.query_groups)
@@ -564,6 +569,7 @@ def markdown(tables, first, command, args):
 
 
 def main():
+    """Benchmark every pattern and batch, then the first steps; print and write the section."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
