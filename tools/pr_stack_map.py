@@ -458,6 +458,12 @@ RULES = (
         None,
         "tests the exporter, which is not part of the stack",
     ),
+    Rule(
+        "tests/unit_tests/tools/test_bench_model.py",
+        None,
+        None,
+        "tests the whole-model benchmark's baselines, which stay here with the tool",
+    ),
 )
 
 # Inserted into upstream's pretrain_hybrid.py before its imports (and the whole file where the base

@@ -62,6 +62,20 @@ def cumsum_over_tokens(values: torch.Tensor) -> torch.Tensor:
     return values.movedim(0, -1).contiguous().cumsum(-1).movedim(-1, 0)
 
 
+def host_to_device(array, device: torch.device | str) -> torch.Tensor:
+    """A copy of the host array ``array`` on ``device`` (same dtype) that does not stall the host.
+
+    A copy from pageable host memory to a GPU first waits for all work queued on the stream; the
+    tables built inside a forward (the first layer of each kind builds its own) would each drain
+    the queue. This copies through pinned memory without blocking instead: PyTorch's caching host
+    allocator keeps the pinned buffer until the copy has run.
+    """
+    tensor = torch.from_numpy(np.array(array, order="C", copy=True))  # contiguous, writable
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _subtree_token_end(layout: ForestLayout) -> np.ndarray:
     """[S] exclusive end token index of each segment's subtree (DFS order makes it contiguous)."""
     starts, lengths, parents = layout.segment_starts, layout.segment_lengths, layout.segment_parents
@@ -116,7 +130,7 @@ class ForestTensors:
         subtree_end = _subtree_token_end(layout)
 
         def on_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.array(array, dtype=np.int64)).to(device)
+            return host_to_device(np.asarray(array, dtype=np.int64), device)
 
         return cls(
             layout=layout,
@@ -177,7 +191,9 @@ class ForestTensors:
                 f"{' x 2 x context_parallel_size' if cp_size > 1 else ''})"
             )
         chunk = len(held) // sp_size
-        return torch.as_tensor(held[sp_rank * chunk : (sp_rank + 1) * chunk], device=self.device)
+        return host_to_device(
+            np.asarray(held[sp_rank * chunk : (sp_rank + 1) * chunk], dtype=np.int64), self.device
+        )
 
     def edge_projection(
         self, cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, sp_rank: int = 0
@@ -235,7 +251,7 @@ class ForestTensors:
         slots = row_of_source[layout.edge_source[owned]]
 
         def on_device(array):
-            return torch.as_tensor(np.asarray(array, dtype=np.int64), device=self.device)
+            return host_to_device(np.asarray(array, dtype=np.int64), self.device)
 
         return on_device(local), on_device(slots), (on_device(owned) if cp_size > 1 else None)
 
@@ -253,12 +269,12 @@ class ForestTensors:
         )
 
     def _key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
-        subtree_end = self.token_subtree_end.cpu().numpy()
+        subtree_end = self.host_subtree_end()
         blocks = []
         for start in range(0, self.num_tokens, block_size):
             end = min(start + block_size, self.num_tokens)
             visible = np.flatnonzero(subtree_end[:end] > start)
-            blocks.append(torch.as_tensor(visible, dtype=torch.int64, device=self.device))
+            blocks.append(host_to_device(visible.astype(np.int64), self.device))
         return tuple(blocks)
 
     def root_path_predecessors(self, window: int) -> torch.Tensor:
@@ -267,9 +283,25 @@ class ForestTensors:
         Column ``j`` holds the token ``j + 1`` steps back along the path (parent segments included);
         -1 where the path is shorter. Used by the tree causal convolution.
         """
-        return self.derive(("root_path_predecessors", window), lambda: self._predecessors(window))
+        return self.derive(
+            ("root_path_predecessors", window),
+            lambda: host_to_device(self.host_root_path_predecessors(window), self.device),
+        )
 
-    def _predecessors(self, window: int) -> torch.Tensor:
+    def host_root_path_predecessors(self, window: int) -> np.ndarray:
+        """``root_path_predecessors`` as a host array, from the layout (no device round trip)."""
+        return self.derive(
+            ("host_root_path_predecessors", window), lambda: self._predecessors(window)
+        )
+
+    def host_subtree_end(self) -> np.ndarray:
+        """``token_subtree_end`` as a host array, from the layout: tables built on the host read
+        it without copying the device tensor back (a synchronization inside the forward)."""
+        return self.derive(
+            "host_subtree_end", lambda: _subtree_token_end(self.layout)[self.layout.token_segment]
+        )
+
+    def _predecessors(self, window: int) -> np.ndarray:
         layout = self.layout
         predecessor = np.arange(-1, self.num_tokens - 1, dtype=np.int64)
         first_tokens = layout.segment_starts
@@ -287,4 +319,4 @@ class ForestTensors:
         for step in range(window):
             current = np.where(current >= 0, predecessor[np.maximum(current, 0)], -1)
             table[:, step] = current
-        return torch.as_tensor(table, device=self.device)
+        return table

@@ -56,3 +56,12 @@ def test_scope_nests_and_restores():
             assert current_forest() is None
         assert current_forest() is outer
     assert current_forest() is None
+
+
+def test_host_tables_equal_the_device_tables(forest_sequences):
+    layout = plan_shared_prefix(forest_sequences(seed=13, depth=4), capacity=512).rows[0]
+    forest = ForestTensors.from_layout(layout, "cpu")
+    np.testing.assert_array_equal(forest.host_subtree_end(), forest.token_subtree_end.numpy())
+    np.testing.assert_array_equal(
+        forest.host_root_path_predecessors(3), forest.root_path_predecessors(3).numpy()
+    )

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import torch
 
-from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens
+from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, host_to_device
 
 
 def weighted_expert_counts(routing_map: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -87,14 +87,14 @@ class ForestRoutingTables:
         """Index tables from the forest's host layout, copied to its device once."""
         layout = forest.layout
         num_tokens = layout.num_tokens
-        subtree_end = forest.token_subtree_end.cpu().numpy()
+        subtree_end = forest.host_subtree_end()
         tokens = np.arange(num_tokens, dtype=np.int64)
         prefix_order, _, closed_before = _sorted_ranges(subtree_end, tokens, tokens + 1)
         last = layout.sequence_last_index
         sequence_order, sequence_start, sequence_stop = _sorted_ranges(last, tokens, subtree_end)
 
         def on_device(array):
-            return torch.as_tensor(np.array(array, dtype=np.int64), device=forest.device)
+            return host_to_device(np.asarray(array, dtype=np.int64), forest.device)
 
         return cls(
             multiplicity=forest.token_multiplicity,

@@ -22,10 +22,11 @@ The fix-up touches at most ``S * (w - 1)`` tokens (S segments), a small fraction
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megatron.shared_prefix.tensors import ForestTensors
+from megatron.shared_prefix.tensors import ForestTensors, host_to_device
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -39,12 +40,13 @@ def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, tor
     """
 
     def build():
-        positions = torch.arange(forest.num_tokens, device=forest.device)
-        offset = positions - forest.segment_starts[forest.token_segment]
-        tokens = torch.nonzero(offset < width - 1).reshape(-1)
-        predecessors = forest.root_path_predecessors(width - 1)[tokens]  # [F, w - 1], nearest first
-        windows = torch.cat([predecessors.flip(-1), tokens[:, None]], dim=1)
-        return tokens, windows
+        # On the host, from the layout: a device-side nonzero would synchronize inside the forward.
+        layout = forest.layout
+        offset = np.arange(forest.num_tokens) - layout.segment_starts[layout.token_segment]
+        tokens = np.flatnonzero(offset < width - 1)
+        predecessors = forest.host_root_path_predecessors(width - 1)[tokens]  # nearest first
+        windows = np.concatenate([predecessors[:, ::-1], tokens[:, None]], axis=1)
+        return host_to_device(tokens, forest.device), host_to_device(windows, forest.device)
 
     return forest.derive(("tree_conv_fixup", width), build)
 

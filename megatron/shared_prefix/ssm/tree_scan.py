@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.shared_prefix.ssm import torch_ssd
-from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens
+from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, host_to_device
 
 # Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
 # pylint: disable=invalid-name
@@ -169,7 +169,7 @@ class TreeScanPlan:
         ends = np.searchsorted(token_parent[order], internal_segments, side="right")
 
         def on_device(array):
-            return torch.from_numpy(np.array(array, dtype=np.int64)).to(forest.device)
+            return host_to_device(np.asarray(array, dtype=np.int64), forest.device)
 
         child_tokens = tuple(on_device(order[b:e]) for b, e in zip(bounds, ends))
         all_children = order[bounds[0] :] if len(internal_segments) else order[:0]

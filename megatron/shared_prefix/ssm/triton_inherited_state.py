@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.shared_prefix.tensors import ForestTensors
+from megatron.shared_prefix.tensors import ForestTensors, host_to_device
 
 # Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
 # pylint: disable=invalid-name
@@ -104,7 +104,7 @@ class TokenBlocks:
 
         def table(rows, width):
             array = np.array(rows, dtype=np.int32).reshape(-1, width)
-            return torch.from_numpy(array.T.copy()).to(device)
+            return host_to_device(array.T, device)
 
         return cls(
             tokens=torch.cat(list(token_lists)).to(device),

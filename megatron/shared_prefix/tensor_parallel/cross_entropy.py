@@ -13,6 +13,60 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from torch import Tensor
 
+# Rows of [U, V] logits the one-rank edge loss turns into float32 at a time (256 MiB).
+FLOAT32_CHUNK_ELEMENTS = 1 << 26
+
+
+class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-method
+    """``-log softmax(logits[slot])[target]`` per edge, in float32, keeping for backward only the
+    input logits and one float32 log-normalizer per source.
+
+    Autograd through ``logits.float()`` and ``logsumexp`` keeps a float32 copy of the [U, V] logits
+    and builds the float32 gradient of each step in full (the softmax term, the target term, their
+    sum, then the cast back), several times the logits' size. A forest row concentrates the edges of
+    every sequence through it on few tokens (a GRPO star's row holds all its completions), so that
+    cost, which scales with edges, not tokens, set the row's peak memory on an H200
+    (docs/benchmarks.md). Here float32 work runs in chunks of ``FLOAT32_CHUNK_ELEMENTS``, and the
+    gradient is written once, in the logits' dtype.
+
+    Backward: ``grad_logits[u] = softmax(logits[u]) * sum_{e: slot e = u} grad_e``, minus
+    ``grad_e`` at ``(slot_e, target_e)``, both accumulated in float32 with ``index_put_``
+    (``accumulate=True``: sorted, deterministic, as autograd's backward of indexing) before one
+    cast.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, edge_source_slot, edge_target):  # pylint: disable=arguments-differ
+        rows = max(1, FLOAT32_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+        log_normalizer = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], rows):
+            chunk = logits[start : start + rows].float()
+            log_normalizer[start : start + rows] = torch.logsumexp(chunk, dim=-1)
+        ctx.rows = rows
+        ctx.save_for_backward(logits, edge_source_slot, edge_target, log_normalizer)
+        return log_normalizer[edge_source_slot] - logits[edge_source_slot, edge_target].float()
+
+    @staticmethod
+    def backward(ctx, grad):  # pylint: disable=arguments-differ
+        logits, slot, target, log_normalizer = ctx.saved_tensors
+        grad = grad.float()
+        source_grad = torch.zeros_like(log_normalizer).index_put_((slot,), grad, accumulate=True)
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            stop = min(start + ctx.rows, logits.shape[0])
+            # A copy even for float32 logits: the chunk is updated in place.
+            chunk = logits[start:stop].to(torch.float32, copy=True)
+            chunk.sub_(log_normalizer[start:stop, None]).exp_().mul_(source_grad[start:stop, None])
+            # Edges of other chunks add 0 to a clamped row: x + 0 is x.
+            here = (slot >= start) & (slot < stop)
+            chunk.index_put_(
+                ((slot - start).clamp(0, stop - start - 1), target),
+                torch.where(here, -grad, torch.zeros_like(grad)),
+                accumulate=True,
+            )
+            grad_logits[start:stop] = chunk
+        return grad_logits, None, None
+
 
 def edge_cross_entropy(
     source_logits: Tensor, edge_source_slot: Tensor, edge_target: Tensor
@@ -25,11 +79,10 @@ def edge_cross_entropy(
         edge_target: [E] target token id of each edge.
 
     Returns:
-        [E] float32 ``-log softmax(source_logits[slot])[target]``.
+        [E] float32 ``-log softmax(source_logits[slot])[target]``; its backward keeps no float32
+        copy of the logits (``_EdgeCrossEntropy``).
     """
-    logits = source_logits.float()
-    log_normalizer = torch.logsumexp(logits, dim=-1)
-    return log_normalizer[edge_source_slot] - logits[edge_source_slot, edge_target]
+    return _EdgeCrossEntropy.apply(source_logits, edge_source_slot, edge_target)
 
 
 def vocab_parallel_edge_cross_entropy(

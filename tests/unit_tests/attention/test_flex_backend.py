@@ -205,7 +205,11 @@ def test_flex_matches_torch_backend_on_cuda(forest_sequences, dtype, depth):
     expected = torch_backend.tree_attention(
         *(t.float() for t in (query, key, value)), forest, softmax_scale=0.125
     )
-    weights = torch.randn_like(expected)
+    # Seeded: drawn from the global generator, the weights depended on the tests run before (the
+    # test was order dependent; measured on an H200, the flex gradients stay within 0.85 of the
+    # tolerance for 8 seeds, where the torch backend computing in bf16 goes 1.8x past it).
+    generator = torch.Generator(device="cuda").manual_seed(depth)
+    weights = torch.randn(expected.shape, generator=generator, device="cuda")
     grads = torch.autograd.grad((out.float() * weights).sum(), (query, key, value))
     expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
     # bf16 inputs: flex accumulates in float32 but rounds q/k/v/out to bf16 (2^-8 relative).

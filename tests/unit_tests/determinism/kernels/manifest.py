@@ -187,4 +187,16 @@ ENTRIES = [
             "tails (bit-reproducible on CUDA only in deterministic mode)."
         ),
     ),
+    KernelEntry(
+        name="edge_cross_entropy",
+        sources=("megatron/shared_prefix/tensor_parallel/cross_entropy.py",),
+        tests=(f"{_KERNEL_TESTS}/test_edge_cross_entropy_replay.py",),
+        kind="order-sensitive PyTorch op",
+        training_path=True,
+        notes=(
+            "The one-rank edge loss's backward accumulates the gradients of edges that share a "
+            "source, and of repeated (source, target) pairs, with index_put_(accumulate=True), "
+            "the sort-based op autograd's backward of indexing uses; float32 work in row chunks."
+        ),
+    ),
 ]

@@ -6,7 +6,9 @@ packed chunk scan — torch_ssd on CPU, mamba_ssm's Triton kernel on CUDA — a 
 the forked-state correction) and the mixer that chains them must give identical bits run after run,
 forward and backward, under PyTorch's deterministic settings. The forest has several internal
 segments, one-token segments, windows crossing two segment boundaries and padding; lengths are not
-multiples of the chunk size.
+multiples of the chunk size. Each replayed run builds the forest's index tables afresh
+(``fresh``): they are copied to the device without blocking the host (``host_to_device``), so a run
+that read a table before its copy landed would not replay.
 """
 
 import numpy as np
@@ -56,6 +58,11 @@ def long_star_forest(device):
 FORESTS = {"depth-3": replay_forest, "long-star": long_star_forest}
 
 
+def fresh(forest):
+    """A new ForestTensors of ``forest``'s layout: no table cached, each built on first use."""
+    return ForestTensors.from_layout(forest.layout, forest.device)
+
+
 def _param(*shape, device, scale=1.0, shift=0.0):
     return (torch.randn(*shape, device=device) * scale + shift).requires_grad_()
 
@@ -73,7 +80,7 @@ def test_tree_conv_replay(device):
         )
 
     def fn(x, weight, bias):
-        return tree_causal_conv1d(x, weight, bias, forest, activation="silu")
+        return tree_causal_conv1d(x, weight, bias, fresh(forest), activation="silu")
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
 
@@ -105,7 +112,7 @@ def test_tree_scan_replay(device, gate, row):
             B,
             C,
             CHUNK,
-            forest,
+            fresh(forest),
             D=D,
             z=z if gate else None,
             dt_bias=dt_bias,
@@ -155,7 +162,7 @@ def test_tree_mamba_mixer_replay(megatron_world, device):
         return _param(forest.num_tokens, 1, 32, device=device)
 
     def fn(hidden_states):
-        with forest_scope(forest):
+        with forest_scope(fresh(forest)):
             return mixer(hidden_states)[0]
 
     assert_bitwise_replay(fn, make_inputs, module=mixer, concurrent_stream_work=device == "cuda")
@@ -194,6 +201,6 @@ def test_forked_state_kernels_replay(gate, dtype, row):
         )
 
     def fn(x, B, C, y, z, dt, A):
-        return _fused_correction(x, B, C, y, z if gate else None, dt, A, forest)
+        return _fused_correction(x, B, C, y, z if gate else None, dt, A, fresh(forest))
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)

@@ -66,3 +66,34 @@ def test_bf16_forest_within_dense_spread(build_model, forest_sequences, pattern)
             spreads.append(relative_error(batched, alone))
     print(f"{pattern}: tree vs dense {max(errors):.2e}, dense vs dense {max(spreads):.2e}")
     assert max(errors) <= 2 * max(max(spreads), 2**-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
+    """Every table a forest forward builds on first use is copied without stalling the host (a
+    pageable copy, ``.cpu()`` or ``nonzero`` would drain the GPU queue inside the forward), and the
+    copies hold the host values."""
+    from megatron.shared_prefix.moe.statistics import ForestRoutingTables
+    from megatron.shared_prefix.tensors import ForestTensors
+    from megatron.shared_prefix.ssm.tree_conv import _fixup_windows
+    from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan
+
+    layout = plan_shared_prefix(forest_sequences(seed=14, depth=4), capacity=512).rows[0]
+    busy = torch.randn(4096, 4096, device="cuda")
+    busy @ busy  # pylint: disable=pointless-statement  # queued work a synchronization would wait for
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forest = ForestTensors.from_layout(layout, "cuda")
+        plan = TreeScanPlan.of(forest)
+        tokens, windows = _fixup_windows(forest, 4)
+        ForestRoutingTables.build(forest)
+        predecessors = forest.root_path_predecessors(3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu = ForestTensors.from_layout(layout, "cpu")
+    assert torch.equal(forest.token_subtree_end.cpu(), cpu.token_subtree_end)
+    assert torch.equal(predecessors.cpu(), cpu.root_path_predecessors(3))
+    assert torch.equal(plan.all_child_tokens.cpu(), TreeScanPlan.of(cpu).all_child_tokens)
+    cpu_tokens, cpu_windows = _fixup_windows(cpu, 4)
+    assert torch.equal(tokens.cpu(), cpu_tokens) and torch.equal(windows.cpu(), cpu_windows)

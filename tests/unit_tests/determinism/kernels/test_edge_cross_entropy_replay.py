@@ -1,0 +1,42 @@
+"""Bitwise replay of the one-rank edge loss (tensor_parallel/cross_entropy.py), forward and
+backward: edges sharing a source and a repeated (source, target) pair accumulate with
+``index_put_(accumulate=True)``; the float32 work runs in several row chunks."""
+
+import pytest
+import torch
+
+from megatron.shared_prefix.tensor_parallel import cross_entropy
+
+from ..replay import assert_bitwise_replay
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_edge_cross_entropy_replay(monkeypatch, device, dtype):
+    sources, vocab = 300, 4096
+    monkeypatch.setattr(cross_entropy, "FLOAT32_CHUNK_ELEMENTS", 64 * vocab)  # 5 chunks
+    generator = torch.Generator().manual_seed(0)
+    slot = torch.randint(0, sources, (2000,), generator=generator)
+    target = torch.randint(0, vocab, (2000,), generator=generator)
+    slot, target = torch.cat([slot, slot[:50]]).to(device), torch.cat([target, target[:50]]).to(
+        device
+    )
+
+    def make_inputs():
+        return (torch.randn(sources, vocab, device=device) * 4).to(dtype).requires_grad_()
+
+    def fn(logits):
+        return cross_entropy.edge_cross_entropy(logits, slot, target)
+
+    assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")

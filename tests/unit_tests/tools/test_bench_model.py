@@ -1,0 +1,113 @@
+"""tools/bench_model.py: its packed dense baseline computes the tree's losses, and its ideal."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny import tiny_config
+
+from megatron.shared_prefix.planning import plan_shared_prefix
+
+TOOLS = Path(__file__).resolve().parents[3] / "tools"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    sys.path.insert(0, str(TOOLS))  # the tool imports benchmark_report as a script does
+    try:
+        spec = importlib.util.spec_from_file_location("bench_model", TOOLS / "bench_model.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(TOOLS))
+    return module
+
+
+def _batch(forest_sequences):
+    sequences = forest_sequences(seed=4, depth=3, max_segment=40)
+    masks = [np.arange(len(s)) >= min(3, len(s) - 1) for s in sequences]
+    return sequences, masks
+
+
+def test_dense_rows_give_every_sequence_its_own_root(tool, forest_sequences):
+    sequences, masks = _batch(forest_sequences)
+    capacity = 256
+    rows = tool.dense_rows(sequences, masks, capacity, pad_multiple=16)
+    plan = plan_shared_prefix(sequences, masks, capacity=capacity)
+    assert sorted(int(i) for row in rows for i in row.sequence_ids) == list(range(len(sequences)))
+    for row in rows:
+        row.validate()
+        assert row.num_tokens <= capacity and row.num_tokens % 16 == 0
+        real = row.segment_parents[row.token_segment[: row.num_tokens - row.num_padding]]
+        assert (real == -1).all()  # no token is shared
+    assert sum(r.num_tokens - r.num_padding for r in rows) == sum(len(s) for s in sequences)
+    assert sum(len(r.edge_source) for r in rows) == plan.loss_tokens
+    with pytest.raises(ValueError, match="exceeds capacity"):
+        tool.dense_rows(sequences, masks, max(len(s) for s in sequences) - 1)
+
+
+def test_dense_rows_compute_the_tree_losses(tool, forest_sequences, megatron_world):
+    """The baseline runs the same edges: per (sequence, position), packed dense == tree."""
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+
+    sequences, masks = _batch(forest_sequences)
+    torch.manual_seed(0)
+    model = SharedPrefixHybridModel(
+        tiny_config(num_layers=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32),
+        hybrid_stack_spec=hybrid_stack_spec(4, mamba_chunk_size=8),
+        vocab_size=64,
+        max_sequence_length=512,
+        hybrid_layer_pattern="M*-E",
+        position_embedding_type="rope",
+    )
+
+    def losses(rows):
+        out = {}
+        with torch.no_grad():
+            for row in rows:
+                loss = model(None, None, None, shared_prefix_layout=row)
+                for s, j, value in zip(row.edge_sequence, row.edge_position, loss.tolist()):
+                    out[(int(s), int(j))] = value
+        return out
+
+    tree = losses(plan_shared_prefix(sequences, masks, capacity=256, pad_multiple=16).rows)
+    dense = losses(tool.dense_rows(sequences, masks, 256, pad_multiple=16))
+    assert tree.keys() == dense.keys()
+    keys = sorted(tree)
+    expected = torch.tensor([dense[k] for k in keys])
+    actual = torch.tensor([tree[k] for k in keys])
+    assert (
+        float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
+        < 1e-5
+    )
+
+
+def test_padded_micro_batches_mask_the_supervised_targets(tool):
+    sequences = [np.arange(1, 6), np.arange(1, 4)]
+    masks = [np.array([0, 0, 1, 1, 1]), np.array([0, 1, 1])]
+    ((tokens, labels, mask),) = tool.padded_micro_batches(sequences, masks, capacity=10)
+    assert tokens.shape == (2, 5)
+    # Position j - 1 predicts target j: the label there is token j and the mask is mask[j].
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(labels[0, :4], sequences[0][1:])
+    assert len(tool.padded_micro_batches(sequences, masks, capacity=5)) == 2
+
+
+def test_component_ideal(tool):
+    # All token-wise: the token ratio; all output: 1; a split: the harmonic combination.
+    assert tool.component_ideal(100.0, 0.0, 0.0, 4.0, 2.0) == pytest.approx(4.0)
+    assert tool.component_ideal(100.0, 0.0, 100.0, 4.0, 2.0) == pytest.approx(1.0)
+    assert tool.component_ideal(100.0, 40.0, 10.0, 4.0, 2.0) == pytest.approx(
+        100.0 / (50.0 / 4.0 + 40.0 / 2.0 + 10.0)
+    )
+    with pytest.raises(ValueError, match="exceed the step"):
+        tool.component_ideal(10.0, 8.0, 5.0, 4.0, 2.0)
+
+
+def test_attention_pairs_count_root_paths(tool):
+    plan = plan_shared_prefix([[1, 2, 3, 4], [1, 2, 5]], capacity=16, pad_multiple=8)
+    # Prefix [1, 2] once (1 + 2 pairs), then 3: 3 + 4 pairs, and 5: 3 pairs.
+    assert tool.attention_pairs(plan.rows) == 1 + 2 + 3 + 4 + 3

@@ -1,0 +1,633 @@
+"""Training-step speed of a whole SharedPrefixHybridModel on prefix forests against packed dense and
+a plain padded batch, with a component ideal, peak memory and first-step (compile) times (CUDA).
+
+For each layer pattern and batch, in one process on one GPU (bf16, forward+backward of every row of
+the batch, gradients accumulated as in a training step, no optimizer), three ways of training the
+same sequences on the same weights:
+
+* tree: the batch planned as prefix forests (``plan_shared_prefix``, rows of at most
+  ``--capacity`` tokens, padded to a multiple of 128), one forest forward per row;
+* packed dense: the same model on the same sequences with every sequence its own root (what THD
+  packing computes), packed first-fit into rows of the same capacity;
+* padded: megatron-core's plain ``HybridModel.forward`` (the same model without a layout: stock
+  DotProductAttention, the unfused Mamba path, the output layer over every position) on
+  right-padded micro-batches of ``capacity // longest`` sequences; "OOM" where memory does not
+  allow it.
+
+Columns: logical tokens / s of each (logical = the sum of the sequence lengths, what a dense batch
+runs); speedup (tree over packed dense); token ratio (logical tokens / tree tokens); the component
+ideal, the speedup an exact implementation whose every component scales with its work would reach:
+
+    ideal = dense / (token-wise / token ratio + attention / pair ratio + output),
+
+where the three terms partition the packed dense step's time, measured: attention = the core
+attention of every attention layer (FlexAttention forward+backward at the dense rows' shapes),
+output = the output layer and loss over the edges (the same supervised targets in both, ratio 1),
+token-wise = the rest (Mamba, MLP, MoE, linears, norms, embedding); pair ratio = dense query-key
+pairs / tree pairs. tree / ideal = speedup / ideal (goal >= 0.95). The same decomposition of the
+tree step is reported per component against its ideal (the JSON log), which is where a shortfall
+is located. Peak memory: above the model state (weights and gradients), with MiB per 1K tokens of
+the longest row.
+
+First step: ``--first-step`` runs one pattern in fresh processes (``subprocess``), each timing
+its start-up: imports, model build, the first step of the GRPO star batch, then the first step of
+rows of a length not seen before and a second one. The first process runs with empty Inductor and
+Triton caches (cold), the second with the caches the first left (warm).
+
+Times are wall-clock milliseconds of a whole step (synchronized at its end, so host work inside the
+step counts), the median of ``--repeats`` steps after two warm-up steps.
+
+Usage:
+    python tools/bench_model.py [--patterns moe,nemotron] [--repeats 5] [--first-step moe]
+        [--write docs/benchmarks.md] [--json log.json] [--profile]
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+_PROCESS_START = time.perf_counter()
+
+# pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from benchmark_report import agent_tree, markdown_table, star, write_section  # noqa: E402
+
+from megatron.shared_prefix.layout import ForestLayout  # noqa: E402
+from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
+
+SECTION = "Whole model (tools/bench_model.py)"
+
+# Layer patterns: attention + MoE heavy, and a Mamba-heavy Nemotron-H-like one (mostly M and -,
+# one attention layer in 13).
+PATTERNS = {"moe": "M*-ME*-M", "nemotron": "M-M-M*-M-M-M-"}
+
+PAD_MULTIPLE = 128
+
+
+def batches():
+    """name -> (sequences, loss masks): the benchmark batches (loss on everything after the
+    shared root prompt, as GRPO and agent training supervise completions and turns)."""
+
+    def masked(sequences, prompts):
+        return sequences, [np.arange(len(s)) >= p for s, p in zip(sequences, prompts)]
+
+    rng = np.random.default_rng(0)
+    mix, mix_prompts = [], []
+    for group in range(8):
+        prompt = int(rng.integers(512, 4097))
+        completions = [int(c) for c in rng.integers(64, 2049, size=8)]
+        mix += star(prompt, completions, seed=group + 1)
+        mix_prompts += [prompt] * len(completions)
+    return {
+        "GRPO star P=4096, C=1024, G=16": masked(star(4096, [1024] * 16), [4096] * 16),
+        "star P=2048, C=2048, G=8": masked(star(2048, [2048] * 8), [2048] * 8),
+        "agent depth 3, P=2048, 4 x 512, 4 x 512": masked(agent_tree(2048, 512, 4, 4), [2048] * 16),
+        "GRPO mix, 8 prompts x 8 (P 512-4096, C 64-2048)": masked(mix, mix_prompts),
+    }
+
+
+def _concatenate(layouts, pad_multiple):
+    """One row holding ``layouts`` side by side (each a forest of its own), padded with one trailing
+    root segment of padding to a multiple of ``pad_multiple``."""
+    tokens, positions, multiplicity = [], [], []
+    starts, lengths, parents = [], [], []
+    edges = {name: [] for name in ("source", "target", "sequence", "position")}
+    sequence_ids, last_index = [], []
+    offset = segments = 0
+    for layout in layouts:
+        tokens.append(layout.tokens)
+        positions.append(layout.position_ids)
+        multiplicity.append(layout.token_multiplicity)
+        starts.append(layout.segment_starts + offset)
+        lengths.append(layout.segment_lengths)
+        parents.append(np.where(layout.segment_parents >= 0, layout.segment_parents + segments, -1))
+        edges["source"].append(layout.edge_source + offset)
+        edges["target"].append(layout.edge_target)
+        edges["sequence"].append(layout.edge_sequence)
+        edges["position"].append(layout.edge_position)
+        sequence_ids.append(layout.sequence_ids)
+        last_index.append(layout.sequence_last_index + offset)
+        offset += layout.num_tokens
+        segments += len(layout.segment_lengths)
+    padding = -offset % pad_multiple
+    if padding:
+        tokens.append(np.zeros(padding, dtype=np.int64))
+        positions.append(np.arange(padding))
+        multiplicity.append(np.zeros(padding, dtype=np.int64))
+        starts.append([offset])
+        lengths.append([padding])
+        parents.append([-1])
+    return ForestLayout(
+        tokens=np.concatenate(tokens),
+        position_ids=np.concatenate(positions),
+        segment_starts=np.concatenate(starts),
+        segment_lengths=np.concatenate(lengths),
+        segment_parents=np.concatenate(parents),
+        token_multiplicity=np.concatenate(multiplicity),
+        edge_source=np.concatenate(edges["source"]),
+        edge_target=np.concatenate(edges["target"]),
+        edge_sequence=np.concatenate(edges["sequence"]),
+        edge_position=np.concatenate(edges["position"]),
+        sequence_ids=np.concatenate(sequence_ids),
+        sequence_last_index=np.concatenate(last_index),
+    )
+
+
+def dense_rows(sequences, loss_masks, capacity, pad_multiple=PAD_MULTIPLE):
+    """Rows of the packed dense baseline: every sequence its own root (no token shared), packed
+    first-fit in input order into rows of at most ``capacity`` tokens once padded to
+    ``pad_multiple``.
+
+    Edge ``(s, j)`` has the same target and context as in the tree plan, so both compute the same
+    losses; ``edge_sequence`` indexes ``sequences``.
+    """
+
+    def padded(tokens):
+        return tokens + (-tokens % pad_multiple)
+
+    rows, used = [], []
+    for index, (sequence, mask) in enumerate(zip(sequences, loss_masks)):
+        alone = plan_shared_prefix([sequence], [mask], capacity=len(sequence)).rows[0]
+        alone = dataclasses.replace(
+            alone,
+            edge_sequence=np.full_like(alone.edge_sequence, index),
+            sequence_ids=np.array([index]),
+        )
+        if padded(len(sequence)) > capacity:
+            raise ValueError(
+                f"sequence {index} ({len(sequence)} tokens) exceeds capacity {capacity}"
+            )
+        slot = next(
+            (i for i, tokens in enumerate(used) if padded(tokens + len(sequence)) <= capacity),
+            None,
+        )
+        if slot is None:
+            rows.append([])
+            used.append(0)
+            slot = len(rows) - 1
+        rows[slot].append(alone)
+        used[slot] += len(sequence)
+    return [_concatenate(row, pad_multiple) for row in rows]
+
+
+def attention_pairs(rows) -> int:
+    """Query-key pairs the tree mask admits over ``rows``: each real token attends its root path
+    (position + 1 keys)."""
+    return int(
+        sum((row.position_ids[: row.num_tokens - row.num_padding] + 1).sum() for row in rows)
+    )
+
+
+def component_ideal(dense_ms, attention_ms, output_ms, token_ratio, pair_ratio):
+    """The speedup over packed dense of an implementation whose token-wise work scales with the
+    token ratio, attention with the pair ratio, and the output layer not at all (same targets).
+
+    ``attention_ms`` and ``output_ms`` are the packed dense step's attention and output-layer
+    times; the rest of ``dense_ms`` is token-wise.
+    """
+    token_wise = dense_ms - attention_ms - output_ms
+    if token_wise < 0:
+        raise ValueError(
+            f"components exceed the step: attention {attention_ms} + output {output_ms} > "
+            f"{dense_ms} ms"
+        )
+    return dense_ms / (token_wise / token_ratio + attention_ms / pair_ratio + output_ms)
+
+
+def padded_micro_batches(sequences, loss_masks, capacity):
+    """Right-padded micro-batches for the plain HybridModel: (tokens [b, L], labels [b, L],
+    label mask [b, L]) of ``capacity // L`` sequences each, L the longest sequence."""
+    longest = max(len(s) for s in sequences)
+    size = max(1, capacity // longest)
+    out = []
+    for first in range(0, len(sequences), size):
+        chunk = range(first, min(first + size, len(sequences)))
+        tokens = np.zeros((len(chunk), longest), dtype=np.int64)
+        mask = np.zeros((len(chunk), longest), dtype=np.float32)
+        for row, index in enumerate(chunk):
+            sequence = np.asarray(sequences[index])
+            tokens[row, : len(sequence)] = sequence
+            # Position j - 1 predicts target j.
+            mask[row, : len(sequence) - 1] = np.asarray(loss_masks[index])[1:]
+        labels = np.roll(tokens, -1, axis=1)
+        out.append((tokens, labels, mask))
+    return out
+
+
+def model_config(pattern, hidden, heads, groups):
+    """bf16 TransformerConfig of the benchmark model (8 experts, top-2; Mamba head dim 64,
+    state 128, 8 groups)."""
+    from megatron.core.transformer import TransformerConfig
+
+    moe = "E" in pattern
+    return TransformerConfig(
+        num_layers=len(pattern),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=128,
+        ffn_hidden_size=4 * hidden,
+        **(
+            {"num_moe_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": hidden}
+            if moe
+            else {}
+        ),
+        mamba_state_dim=128,
+        mamba_head_dim=64,
+        mamba_num_groups=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        # The padded baseline's fused Mamba path needs causal-conv1d; forests never take it.
+        use_mamba_mem_eff_path=False,
+    )
+
+
+def build_model(pattern, args, device):
+    """SharedPrefixHybridModel of ``pattern`` (seed 0) on ``device``."""
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+
+    config = model_config(pattern, args.hidden, args.heads, args.query_groups)
+    torch.manual_seed(0)
+    return SharedPrefixHybridModel(
+        config,
+        hybrid_stack_spec=hybrid_stack_spec(config.num_moe_experts),
+        vocab_size=args.vocab,
+        max_sequence_length=8192,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="rope",
+    ).to(device)
+
+
+def _synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def forest_step(model, rows):
+    """One training step's forward+backward over packed rows (sum of edge losses)."""
+
+    def step():
+        for layout in rows:
+            model(None, None, None, shared_prefix_layout=layout).sum().backward()
+
+    return step
+
+
+def padded_step(model, micro_batches, device):
+    """One training step's forward+backward of the plain HybridModel over padded micro-batches."""
+    tensors = [
+        tuple(torch.from_numpy(array).to(device) for array in batch) for batch in micro_batches
+    ]
+
+    def step():
+        for tokens, labels, mask in tensors:
+            positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+            losses = model(tokens, positions, None, labels=labels)
+            (losses.float() * mask).sum().backward()
+
+    return step
+
+
+def timed(step, repeats, device, warmup=2):
+    """(median wall ms of ``step``, peak bytes above the memory held before it)."""
+    for _ in range(warmup):
+        step()
+    _synchronize(device)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append(1000 * (time.perf_counter() - start))
+    peak = torch.cuda.max_memory_allocated() - held if cuda else 0
+    return statistics.median(times), peak
+
+
+def component_times(model, rows, repeats, device):
+    """(attention ms, output ms) of ``rows``: every attention layer's core attention and the output
+    layer + loss, forward+backward, on random inputs of the rows' shapes."""
+    from megatron.shared_prefix.attention.dot_product_attention import TreeDotProductAttention
+    from megatron.shared_prefix.models.hybrid.hybrid_model import _edge_loss
+    from megatron.shared_prefix.tensors import ForestTensors, forest_scope
+
+    config = model.config
+    attention_layers = [m for m in model.modules() if isinstance(m, TreeDotProductAttention)]
+    dtype = config.params_dtype
+    attention = output = 0.0
+    for layout in rows:
+        forest = ForestTensors.from_layout(layout, device)
+        tokens = layout.num_tokens
+
+        def make(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+        qkv = (
+            make(tokens, 1, config.num_attention_heads, config.kv_channels),
+            make(tokens, 1, config.num_query_groups, config.kv_channels),
+            make(tokens, 1, config.num_query_groups, config.kv_channels),
+        )
+        hidden = make(tokens, 1, config.hidden_size)
+
+        def attend(qkv=qkv, forest=forest):
+            with forest_scope(forest):
+                out = attention_layers[0](*qkv, None)
+            out.backward(torch.ones_like(out))
+
+        def project(hidden=hidden, forest=forest):
+            with forest_scope(forest):
+                _edge_loss(model, hidden, forest).sum().backward()
+
+        if attention_layers:
+            attention += len(attention_layers) * timed(attend, repeats, device)[0]
+        output += timed(project, repeats, device)[0]
+    return attention, output
+
+
+def bench_batch(model, name, sequences, loss_masks, args, device):
+    """One table row (and its JSON record) for one batch."""
+    logical = sum(len(s) for s in sequences)
+    tree_rows = plan_shared_prefix(
+        sequences, loss_masks, capacity=args.capacity, pad_multiple=PAD_MULTIPLE
+    ).rows
+    packed_rows = dense_rows(sequences, loss_masks, args.capacity)
+    tree_tokens = sum(row.num_tokens for row in tree_rows)
+    results = {}
+    for method, step in (
+        ("tree", forest_step(model, tree_rows)),
+        ("packed dense", forest_step(model, packed_rows)),
+        (
+            "padded",
+            padded_step(model, padded_micro_batches(sequences, loss_masks, args.capacity), device),
+        ),
+    ):
+        model.zero_grad(set_to_none=False)
+        try:
+            results[method] = timed(step, args.repeats, device)
+        except torch.cuda.OutOfMemoryError:
+            results[method] = None
+        torch.cuda.empty_cache()
+    tree_ms, tree_peak = results["tree"]
+    dense_ms, dense_peak = results["packed dense"]
+    token_ratio = logical / tree_tokens
+    pair_ratio = attention_pairs(packed_rows) / attention_pairs(tree_rows)
+    dense_attention, dense_output = component_times(model, packed_rows, args.repeats, device)
+    tree_attention, tree_output = component_times(model, tree_rows, args.repeats, device)
+    ideal = component_ideal(dense_ms, dense_attention, dense_output, token_ratio, pair_ratio)
+    dense_token_wise = dense_ms - dense_attention - dense_output
+    record = {
+        "batch": name,
+        "rows tree/dense": f"{len(tree_rows)}/{len(packed_rows)}",
+        "tokens logical/tree": f"{logical}/{tree_tokens}",
+        "tree tok/s": logical / tree_ms * 1000,
+        "packed dense tok/s": logical / dense_ms * 1000,
+        "padded tok/s": (
+            "OOM" if results["padded"] is None else logical / results["padded"][0] * 1000
+        ),
+        "speedup": dense_ms / tree_ms,
+        "token ratio": token_ratio,
+        "pair ratio": pair_ratio,
+        "dense shares tok/attn/out": (
+            f"{dense_token_wise / dense_ms:.2f}/{dense_attention / dense_ms:.2f}/"
+            f"{dense_output / dense_ms:.2f}"
+        ),
+        "component ideal": ideal,
+        "tree / ideal": dense_ms / tree_ms / ideal,
+        # Per component: dense time / ratio over the tree's time (1.00 = the component is ideal).
+        "tree token-wise / ideal": (dense_token_wise / token_ratio)
+        / (tree_ms - tree_attention - tree_output),
+        "tree attention / ideal": (
+            (dense_attention / pair_ratio) / tree_attention if tree_attention else float("nan")
+        ),
+        "peak GiB tree/dense": f"{tree_peak / 2**30:.1f}/{dense_peak / 2**30:.1f}",
+        "peak MiB per 1K tokens tree/dense": (
+            f"{tree_peak / 2**20 / max(r.num_tokens for r in tree_rows) * 1000:.0f}/"
+            f"{dense_peak / 2**20 / max(r.num_tokens for r in packed_rows) * 1000:.0f}"
+        ),
+    }
+    timings = {
+        "tree_ms": tree_ms,
+        "dense_ms": dense_ms,
+        "padded_ms": None if results["padded"] is None else results["padded"][0],
+        "dense_attention_ms": dense_attention,
+        "dense_output_ms": dense_output,
+        "tree_attention_ms": tree_attention,
+        "tree_output_ms": tree_output,
+        "tree_row_tokens": [int(r.num_tokens) for r in tree_rows],
+        "dense_row_tokens": [int(r.num_tokens) for r in packed_rows],
+    }
+    return record, timings
+
+
+def profile_step(model, rows, device, label):
+    """Top CUDA kernels and the host synchronizations of one step over ``rows``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = forest_step(model, rows)
+    step()
+    _synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _synchronize(device)
+    events = prof.key_averages()
+    print(f"--- profile: {label}")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=25))
+    syncs = {
+        e.key: e.count
+        for e in events
+        if any(word in e.key for word in ("Synchronize", "aten::item", "aten::nonzero", "DtoH"))
+        or e.key == "cudaMemcpyAsync"
+    }
+    print(f"host synchronizations and copies per step: {syncs}")
+
+
+def first_step_child(pattern, args):
+    """Run in a fresh process: seconds from process start to imports, model build, the first
+    step, and the first and second steps at new row lengths (as extra seconds over a warm step)."""
+    from megatron.shared_prefix.training.distributed import init_single_process
+
+    times = {"imports_s": time.perf_counter() - _PROCESS_START}
+    init_single_process("cuda")
+    model = build_model(PATTERNS[pattern], args, "cuda")
+    torch.cuda.synchronize()
+    times["model_built_s"] = time.perf_counter() - _PROCESS_START
+    sequences, masks = batches()["GRPO star P=4096, C=1024, G=16"]
+    rows = plan_shared_prefix(sequences, masks, capacity=args.capacity, pad_multiple=128).rows
+    forest_step(model, rows)()
+    torch.cuda.synchronize()
+    times["first_step_done_s"] = time.perf_counter() - _PROCESS_START
+    for key, completion in (("new_length", 1000), ("second_new_length", 1010)):
+        new_sequences = star(4096, [completion] * 16, seed=3)
+        new_masks = [np.arange(len(s)) >= 4096 for s in new_sequences]
+        new_rows = plan_shared_prefix(
+            new_sequences, new_masks, capacity=args.capacity, pad_multiple=PAD_MULTIPLE
+        ).rows
+        step = forest_step(model, new_rows)
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times[f"{key}_extra_s"] = first - (time.perf_counter() - start)
+        times[f"{key}_row_tokens"] = [int(r.num_tokens) for r in new_rows]
+    print("FIRST_STEP " + json.dumps(times), flush=True)
+
+
+def first_steps(pattern, args):
+    """Cold- and warm-cache first-step times of ``pattern`` in fresh processes."""
+    cache = tempfile.mkdtemp(prefix="bench_model_cache_")
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+        TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+    )
+    results = {}
+    for label in ("cold", "warm"):
+        command = [sys.executable, os.path.abspath(__file__), "--first-step-child", pattern]
+        command += ["--capacity", str(args.capacity)]
+        child = subprocess.run(
+            command, env=env, check=False, capture_output=True, text=True, timeout=900
+        )
+        if child.returncode:
+            raise RuntimeError(f"{label} first-step process failed:\n{child.stderr[-4000:]}")
+        output = child.stdout
+        line = next(l for l in output.splitlines() if l.startswith("FIRST_STEP "))
+        results[label] = json.loads(line[len("FIRST_STEP ") :])
+        print(label, results[label], flush=True)
+    return results
+
+
+def markdown(tables, first, command, args):
+    """The benchmark section: command, set-up, one table per pattern, first-step times."""
+    lines = [
+        f"## {SECTION}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Device: {torch.cuda.get_device_name()}. Model: hidden {args.hidden}, {args.heads} "
+        f"heads x 128 ({args.query_groups} key/value groups), MLP {4 * args.hidden}, 8 experts "
+        f"top-2 of {args.hidden}, Mamba 64-dim heads, state 128, 8 groups, vocabulary "
+        f"{args.vocab}, bf16; local (non-TE) modules. A step is forward+backward of every row "
+        f"of the batch (rows of at most {args.capacity} tokens, padded to a multiple of 128), "
+        "wall time, median of "
+        f"{args.repeats} steps. tree: prefix forests; packed dense: the same model, every "
+        "sequence its own root (THD packing); padded: the plain HybridModel forward on "
+        f"right-padded micro-batches of {args.capacity} // longest sequences (stock "
+        "DotProductAttention, unfused Mamba, output layer over every position). tok/s: logical "
+        "tokens per second. component ideal = dense / (token-wise / token ratio + attention / "
+        "pair ratio + output), the packed dense step split into its measured attention "
+        "(FlexAttention forward+backward at its row shapes), output layer + loss (same "
+        "targets: ratio 1) and the rest (dense shares column); tree token-wise / ideal and "
+        "tree attention / ideal apply the same split to the tree step. Peak: memory above "
+        "weights and gradients, and per 1K tokens of the longest row.",
+        "",
+    ]
+    for pattern, rows in tables.items():
+        lines += [f"Pattern `{PATTERNS[pattern]}` ({pattern}):", ""]
+        lines += markdown_table(rows) + [""]
+    if first:
+        lines += [
+            "First step in a fresh process (`--first-step "
+            f"{first['pattern']}`, GRPO star batch; seconds from process start; cold: empty "
+            "Inductor and Triton caches, warm: the caches of the cold run; new length: extra "
+            "seconds of the first step at row lengths not seen before, over the same step "
+            "repeated):",
+            "",
+        ]
+        keys = (
+            "imports_s",
+            "model_built_s",
+            "first_step_done_s",
+            "new_length_extra_s",
+            "second_new_length_extra_s",
+        )
+        first_rows = [
+            {"cache": label, **{key: first[label][key] for key in keys}}
+            for label in ("cold", "warm")
+        ]
+        lines += markdown_table(first_rows) + [""]
+    return "\n".join(lines)
+
+
+def main():
+    """Benchmark every pattern and batch, then the first steps; print and write the section."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--patterns", default="moe,nemotron", help=f"of {sorted(PATTERNS)}")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--query-groups", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--capacity", type=int, default=32768, help="tokens per row")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--first-step", help="also time fresh processes of this pattern")
+    parser.add_argument("--first-step-child", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help="profile one tree and dense step")
+    parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--write", help="markdown file whose section to replace with the results")
+    args = parser.parse_args()
+    if args.first_step_child:
+        first_step_child(args.first_step_child, args)
+        return
+    from megatron.shared_prefix.training.distributed import init_single_process
+
+    init_single_process("cuda")
+    tables, log = {}, {"patterns": {}}
+
+    def save():
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(log, handle, indent=1)
+
+    for pattern in args.patterns.split(","):
+        model = build_model(PATTERNS[pattern], args, "cuda")
+        tables[pattern], log["patterns"][pattern] = [], []
+        for name, (sequences, masks) in batches().items():
+            record, timings = bench_batch(model, name, sequences, masks, args, "cuda")
+            tables[pattern].append(record)
+            log["patterns"][pattern].append({**record, **timings})
+            save()
+            print(pattern, record, timings, flush=True)
+            if args.profile and name.startswith("GRPO star"):
+                tree_rows = plan_shared_prefix(
+                    sequences, masks, capacity=args.capacity, pad_multiple=PAD_MULTIPLE
+                ).rows
+                profile_step(model, tree_rows, "cuda", f"{pattern} tree, {name}")
+                profile_step(
+                    model, dense_rows(sequences, masks, args.capacity), "cuda", f"{pattern} dense"
+                )
+        del model
+        torch.cuda.empty_cache()
+    first = None
+    if args.first_step:
+        first = {"pattern": args.first_step, **first_steps(args.first_step, args)}
+        log["first_step"] = first
+        save()
+    section = markdown(tables, first, "python " + " ".join(sys.argv), args)
+    print(section)
+    if args.write:
+        write_section(args.write, section)
+
+
+if __name__ == "__main__":
+    main()
