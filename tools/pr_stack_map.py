@@ -472,8 +472,11 @@ _PRETRAIN_HOOK = '''
 import sys
 
 # Shared-prefix training (megatron/training/shared_prefix/) has its own data, prefix-forest batching
-# and loss; any --shared-prefix-* flag selects it, before the imports below.
-if any(arg.startswith(("--shared-prefix-", "--no-shared-prefix-")) for arg in sys.argv[1:]):
+# and loss; any --shared-prefix-* flag selects it, before the imports below. Only as the program:
+# processes that multiprocessing spawns (distributed checkpointing does) import this file too.
+if __name__ == "__main__" and any(
+    arg.startswith(("--shared-prefix-", "--no-shared-prefix-")) for arg in sys.argv[1:]
+):
     import warnings
 
     # Import-time warnings of optional extensions stay quiet unless asked for; the entry point
@@ -595,7 +598,8 @@ UPSTREAM_EDITS = (
             "only the shared-prefix entry below exists here. Against a Megatron-LM checkout the same\n"
             'block is inserted into upstream\'s pretrain_hybrid.py."""\n'
             + _PRETRAIN_HOOK
-            + '\nsys.exit("pretrain_hybrid.py: only --shared-prefix-* runs exist in this tree")\n'
+            + '\nif __name__ == "__main__":\n'
+            + '    sys.exit("pretrain_hybrid.py: only --shared-prefix-* runs exist in this tree")\n'
         ),
     ),
 )
