@@ -321,6 +321,15 @@ def _reference(case: Case, rows, weights):
             _weighted(loss, w).backward()
             losses.append(loss.detach())
     grads = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+    if case.depths and case.mtp_path == "edges":
+        # The MTP argmax matches of the TP = 1 forest forward (checked against megatron's
+        # dense acceptance counts in test_mtp_forest.py).
+        with torch.no_grad():
+            for k, layout in enumerate(rows):
+                forest = model(
+                    None, None, None, shared_prefix_layout=layout, shared_prefix_mtp_losses=True
+                )
+                losses[k] = (*losses[k], forest.mtp_edge_correct)
     counts = None
     if case.moe:
         for router in _routers(model):
@@ -371,6 +380,7 @@ def _forest_step(case: Case, model, rows, weights):
                 losses[k] = (
                     output.edge_loss.detach().clone(),
                     output.mtp_edge_loss.detach().clone(),
+                    output.mtp_edge_correct.clone(),
                 )
                 return _weighted(output.edge_loss, weights[k], output.mtp_edge_loss, owned), {}
             losses[k] = output.detach().clone()
@@ -418,7 +428,7 @@ def run_case(case: Case) -> dict:
         load_full_tensors(again, full_weights)
         losses_again = _forest_step(case, again, rows, weights)[0]
         replay_bitwise = all(
-            torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+            torch.equal(torch.nan_to_num(a.float()), torch.nan_to_num(b.float()))
             for k in losses
             for a, b in zip(_loss_tensors(losses[k]), _loss_tensors(losses_again[k]))
         ) and all(
@@ -435,16 +445,20 @@ def run_case(case: Case) -> dict:
     dist.all_gather_object(everyone, (cp_rank, losses if last else {}))
     loss_error, tp_ranks_agree = 0.0, True
     edges_seen = {}
-    mtp_defined_agree = True
+    mtp_agree = True
     for rank_cp, rank_losses in everyone:
         for k, loss in rank_losses.items():
             owned = context_parallel_edges(rows[k], cp_size, rank_cp)
             if len(owned):
                 if isinstance(loss, tuple):
-                    (loss, mtp_loss), (ref_loss, ref_mtp) = loss, ref_losses[k]
+                    (loss, mtp_loss, correct), (ref_loss, ref_mtp, ref_correct) = (
+                        loss,
+                        ref_losses[k],
+                    )
                     ref_mtp = ref_mtp[:, owned]
                     valid = ~torch.isnan(ref_mtp)
-                    mtp_defined_agree &= bool(torch.equal(valid, ~torch.isnan(mtp_loss)))
+                    mtp_agree &= bool(torch.equal(valid, ~torch.isnan(mtp_loss)))
+                    mtp_agree &= bool(torch.equal(correct, ref_correct[:, owned]))
                     if valid.any():
                         loss_error = max(
                             loss_error, _relative_error(mtp_loss[valid], ref_mtp[valid])
@@ -460,7 +474,7 @@ def run_case(case: Case) -> dict:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     for k, loss in losses.items():
         for value in _loss_tensors(loss):
-            value = torch.nan_to_num(value, nan=-1.0)
+            value = torch.nan_to_num(value.float(), nan=-1.0)
             gathered = [torch.empty_like(value) for _ in range(tp_group.size())]
             dist.all_gather(gathered, value, group=tp_group)
             tp_ranks_agree &= all(torch.equal(g, value) for g in gathered)
@@ -482,7 +496,7 @@ def run_case(case: Case) -> dict:
         missing_grads=sorted(set(ref_grads) - set(full_grads)),
         tp_ranks_agree=bool(tp_ranks_agree),
         every_edge_once=bool(every_edge_once),
-        mtp_defined_agree=bool(mtp_defined_agree),
+        mtp_agree=bool(mtp_agree),
         rows=len(rows),
     )
     if replay_bitwise is not None:
@@ -507,7 +521,7 @@ def run_case(case: Case) -> dict:
 
 
 def _loss_tensors(loss):
-    """The tensors of a row's recorded losses: [E], or ([E], [D, E] MTP)."""
+    """The tensors of a row's recorded losses: [E], or ([E], [D, E] MTP, [D, E] argmax matches)."""
     return loss if isinstance(loss, tuple) else (loss,)
 
 

@@ -113,7 +113,7 @@ def test_parallel_forest_matches_dense(results, world_size, name):
     assert result["grads_compared"] > 10, result
     assert result["tp_ranks_agree"], result
     assert result["every_edge_once"], result
-    assert result["mtp_defined_agree"], result
+    assert result["mtp_agree"], result
     if "counts_equal" in result:
         assert result["counts_equal"], result
     if "replay_bitwise" in result:

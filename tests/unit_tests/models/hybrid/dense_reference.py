@@ -99,7 +99,7 @@ def dense_mtp_losses(model):
     once per depth, then the forward calls it once for the main loss."""
     losses, calls = [], []
     compute = model.compute_language_model_loss
-    depths = model.config.mtp_num_layers
+    depths = model.config.mtp_num_layers or 0
 
     def capture(labels, logits):
         loss = compute(labels, logits)
@@ -121,7 +121,7 @@ def dense_token_losses_with_mtp(model, sequence):
     """([L] main, [D, L] MTP) dense losses of one sequence: entry ``j`` is the loss whose target
     is ``sequence[j]`` (NaN where there is none); MTP depth ``d + 1`` predicts it from position
     ``j - 2 - d``. Backpropagate them inside ``without_megatron_mtp_gradient``."""
-    depths = model.config.mtp_num_layers
+    depths = model.config.mtp_num_layers or 0
     with dense_mtp_losses(model) as captured:
         main = dense_token_losses(model, sequence)
     length = len(sequence)
