@@ -8,6 +8,10 @@ for ``H / cp`` heads, in which the existing tree kernels run unchanged. After th
 ranks' pieces arrive in rank order (chunks ``0, 2cp-1, 1, 2cp-2, ...``); putting them back in row
 order is a permutation of ``2 cp`` contiguous chunks (views and one concatenation, whose backward is
 a split: no scatter).
+
+Multi-token prediction needs two more exchanges: every MTP depth reads its tokens' input states from
+anywhere in the previous depth's row (:func:`whole_row`), and hands each per-edge loss to the rank
+that owns the edge in the main row (:func:`share_over_context_parallel`).
 """
 
 import torch
