@@ -128,7 +128,7 @@ def dense_token_losses_with_mtp(model, sequence):
     rows = []
     for index, loss in enumerate(captured):
         shift = index + 2
-        nan = torch.full((min(shift, length),), float("nan"), dtype=loss.dtype)
+        nan = torch.full((min(shift, length),), float("nan"), dtype=loss.dtype, device=loss.device)
         rows.append(torch.cat([nan, loss[0, : max(length - shift, 0)]]))
     assert len(rows) == depths
     return main, torch.stack(rows)
