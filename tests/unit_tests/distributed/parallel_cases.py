@@ -158,6 +158,17 @@ CASES = {
     "cp2_mtp_megatron": Case("M*-", cp=2, seed=25, mtp="*M", depths=2, mtp_path="megatron"),
     "pp2_mtp": Case("M*|-M", pp=2, dispatcher="alltoall", seed=26, mtp="M*", depths=1),
     "cp2_tp2_sp_mtp": Case("*M-", tp=2, sp=True, cp=2, seed=27, mtp="*M", depths=2),
+    # MoE in the MTP depths (alltoall: the depths' rows differ in length between EP ranks). No
+    # load-balancing loss: the padded dense reference marks a depth's end positions as padding.
+    "ep2_mtp_alltoall": Case(
+        "*E-",
+        ep=2,
+        dispatcher="alltoall",
+        seed=28,
+        mtp="E*",
+        depths=2,
+        config=(("moe_aux_loss_coeff", [0.0, 0.0]), ("moe_z_loss_coeff", None)),
+    ),
 }
 
 

@@ -110,6 +110,17 @@ def _mtp_errors(model) -> list[str]:
     unsupported = sorted(set(model.mtp_pattern) - SUPPORTED_LAYER_SYMBOLS)
     if unsupported:
         errors.append(f"MTP layers {unsupported} in hybrid_layer_pattern (supported: M, *, -, E)")
+    if (
+        Symbols.MOE in model.mtp_pattern
+        and config.expert_model_parallel_size > 1
+        and config.moe_token_dispatcher_type == "allgather"
+    ):
+        errors.append(
+            f"moe_token_dispatcher_type='allgather' with expert_model_parallel_size="
+            f"{config.expert_model_parallel_size} and MoE layers in the MTP depths (the dispatcher "
+            "stacks equal-length rows, and the MTP depths' rows differ in length between ranks; "
+            "use the alltoall dispatcher)"
+        )
     return errors
 
 

@@ -440,6 +440,9 @@ def test_rejects_mtp_it_cannot_run(megatron_world, forest_sequences):
         position_embedding_type="rope",
     )
     rejected(stock, "TreeMultiTokenPredictionLayer")
+    moe = build("*-/E*", **EXPERT_BIAS)
+    moe.config.expert_model_parallel_size = 2
+    rejected(moe, "allgather' with expert_model_parallel_size=2 and MoE layers in the MTP depths")
     with pytest.raises(
         ValueError, match="shared_prefix_mtp_losses=True without shared_prefix_layout"
     ):
