@@ -502,6 +502,16 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} with MoE layers "
             "needs --sequence-parallel (as megatron-core requires)",
         )
+        mtp_layers = "".join((args.hybrid_layer_pattern or "").split("/")[1:])
+        _require(
+            "E" not in mtp_layers
+            or args.expert_model_parallel_size == 1
+            or args.moe_token_dispatcher_type != "allgather",
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} with "
+            "--moe-token-dispatcher-type allgather and MoE layers in the MTP depths of "
+            f"--hybrid-layer-pattern {args.hybrid_layer_pattern!r}: the dispatcher stacks "
+            "equal-length rows and the MTP depths' rows differ in length; use alltoall",
+        )
         _require(
             args.pipeline_model_parallel_size == 1 or args.moe_token_dispatcher_type != "allgather",
             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with "

@@ -240,6 +240,11 @@ def test_bad_data_fails_before_any_state_changes(train, tmp_path, write_jsonl):
             ("--mtp-num-layers", "1", "--shared-prefix-loss-normalization", "sequence"),
             "--mtp-num-layers 1 with --shared-prefix-loss-normalization sequence",
         ),
+        (
+            ("--mtp-num-layers", "1", "--expert-model-parallel-size", "2"),
+            "--expert-model-parallel-size 2 with --moe-token-dispatcher-type allgather and MoE "
+            "layers in the MTP depths",
+        ),
     ],
 )
 def test_bad_flags_are_named(train, tmp_path, flags, message, monkeypatch):
