@@ -181,6 +181,11 @@ PULL_REQUESTS = (
         "forest scope, gathers hidden states at the distinct edge sources before the output "
         "layer and returns the float32 cross entropy of every loss edge. hybrid_stack_spec() "
         "selects the tree-aware submodules of PRs 3-5 (and builds without Transformer Engine). "
+        "Multi-token prediction: every MTP depth runs megatron-core's MTP layers on its own "
+        "forest row (mtp_layout.py: one token per distinct prefix the depth's state depends on, "
+        "so MTP is shared as the main model is), with per-edge losses at the main edges' sources; "
+        "they are attached as process_mtp_loss attaches them, or returned per edge "
+        "(shared_prefix_mtp_losses=True). "
         "Under tensor parallelism the edge loss is vocab-parallel; pipeline stages pass hidden "
         "states as HybridModel does; under context parallelism each rank holds megatron-core's "
         "chunks of the row and the loss edges whose sources it holds (context_parallel_edges). "
@@ -191,12 +196,15 @@ PULL_REQUESTS = (
         "Model-level parity on random forests (depth 1..4, single-token segments, skewed siblings): "
         "per-edge losses and gradients equal to dense training within the tolerances of the "
         "tests (float32 on CPU), with M, *, -, E layers, tied and untied embeddings, activation "
-        "recompute; multi-process gloo jobs under TP, SP, CP, EP, DP and PP against the TP = 1 dense "
-        "reference (losses rel 1e-5, gradients rel 1e-4, MoE counts equal).",
-        "CUDA graphs, FP8/FP4, dropout, sliding windows, MLA, the MTP loss and inference caches "
-        "are rejected by validation with the setting named; TP with MoE needs sequence "
-        "parallelism, PP needs variable_seq_lengths, CP needs rows that split into equal chunks "
-        "and heads that divide over the ranks.",
+        "recompute; MTP depths' per-edge losses, gradients and MoE counts against dense "
+        "HybridModel with MTP, and the attached MTP loss against megatron's own; multi-process "
+        "gloo jobs under TP, SP, CP, EP, DP and PP (MTP under TP + SP, CP and PP) against the "
+        "TP = 1 dense reference (losses rel 1e-5, gradients rel 1e-4, MoE counts equal).",
+        "CUDA graphs, FP8/FP4, dropout, sliding windows, MLA and inference caches are rejected "
+        "by validation with the setting named, and so are MTP layers away from the loss stage "
+        "or fewer than mtp_num_layers; TP with MoE needs sequence parallelism, PP needs "
+        "variable_seq_lengths, CP needs rows that split into equal chunks and heads that divide "
+        "over the ranks.",
     ),
     PullRequest(
         7,
@@ -357,7 +365,8 @@ RULES = (
         "megatron/shared_prefix/transformer/",
         "megatron/core/transformer/shared_prefix/",
         6,
-        "sequence-parallel torch norm of the local spec (upstream: WrappedTorchNorm could take it)",
+        "sequence-parallel torch norm of the local spec (upstream: WrappedTorchNorm could take it) "
+        "and the MTP layer that runs one depth of a forest",
     ),
     Rule(
         "megatron/shared_prefix/tensor_parallel/cross_entropy.py",
@@ -371,6 +380,13 @@ RULES = (
         6,
         "full parameter tensors of a sharded model and back (parallel parity tests)",
     ),
+    Rule(
+        "megatron/shared_prefix/mtp_layout.py",
+        _HYBRID + "mtp_layout.py",
+        6,
+        "host-side rows of the MTP depths of a forest row, read by the forest forward",
+    ),
+    Rule("tests/unit_tests/test_mtp_layout.py", _HYBRID_TESTS + "test_mtp_layout.py", 6, "test"),
     Rule("tests/unit_tests/models/hybrid/", _HYBRID_TESTS, 6, "tests"),
     Rule(
         "tests/unit_tests/distributed/",
@@ -548,9 +564,12 @@ UPSTREAM_EDITS = (
         6,
         anchor=_FORWARD_SIGNATURE_ANCHOR,
         replacement=_FORWARD_SIGNATURE_ANCHOR.replace(
-            "    ) -> Tensor:\n", "        shared_prefix_layout=None,\n    ) -> Tensor:\n"
+            "    ) -> Tensor:\n",
+            "        shared_prefix_layout=None,\n"
+            "        shared_prefix_mtp_losses: bool = False,\n"
+            "    ) -> Tensor:\n",
         ),
-        note="HybridModel.forward takes shared_prefix_layout",
+        note="HybridModel.forward takes shared_prefix_layout (and shared_prefix_mtp_losses)",
     ),
     UpstreamEdit(
         "megatron/core/models/hybrid/hybrid_model.py",
@@ -562,7 +581,15 @@ UPSTREAM_EDITS = (
             "        With ``shared_prefix_layout`` (a ForestLayout of a packed prefix forest, see\n"
             "        megatron.core.models.hybrid.shared_prefix) it returns the [E] float32 loss of\n"
             "        every loss edge of the row instead; the layout defines masks and labels.\n"
+            "        With MTP layers the MTP loss is attached as process_mtp_loss attaches it (the\n"
+            "        row is the micro-batch); shared_prefix_mtp_losses=True returns ForestLosses\n"
+            "        (every edge's main and per-depth MTP losses) instead.\n"
             '        """\n'
+            "        if shared_prefix_mtp_losses and shared_prefix_layout is None:\n"
+            "            raise ValueError(\n"
+            '                "shared_prefix_mtp_losses=True without shared_prefix_layout (per-edge "\n'
+            '                "MTP losses are those of a forest row)"\n'
+            "            )\n"
             "        if shared_prefix_layout is not None:\n"
             "            from megatron.core.models.hybrid.shared_prefix.hybrid_model import (\n"
             "                forest_forward,\n"
@@ -571,6 +598,7 @@ UPSTREAM_EDITS = (
             "            return forest_forward(\n"
             "                self,\n"
             "                shared_prefix_layout,\n"
+            "                mtp_losses=shared_prefix_mtp_losses,\n"
             "                runtime_gather_output=runtime_gather_output,\n"
             "                input_ids=input_ids,\n"
             "                position_ids=position_ids,\n"

@@ -19,7 +19,8 @@ count of the whole row, so the sum over ranks is the dense statistic. Multiplici
 are not needed after routing (expert computation is token-wise), so they do not travel with the
 tokens through dispatch.
 
-The forest forward never runs MTP layers, so the forest paths need no MTP bookkeeping.
+MTP layers route their own depth's forest row (``megatron.shared_prefix.mtp_layout``), whose
+multiplicities count the sequences through each token, sequence-end positions included.
 """
 
 import math

@@ -120,3 +120,37 @@ def vocab_parallel_edge_cross_entropy(
         torch.where(owned, target_logit, torch.zeros_like(target_logit)), group
     )
     return log_normalizer[edge_source_slot] - target_logit
+
+
+def vocab_parallel_edge_prediction_matches(
+    source_logits: Tensor, edge_source_slot: Tensor, edge_target: Tensor, group
+) -> Tensor:
+    """Whether each edge's target is the first argmax of its source's full-vocabulary logits.
+
+    What megatron-core's MTP acceptance rate counts (``torch.argmax`` over the whole vocabulary,
+    ties to the lowest id), from this rank's vocabulary shard: the shards' maxima are reduced,
+    then the lowest id holding the global maximum. No gradient.
+
+    Args:
+        source_logits: [U, V / tp] logits of the distinct edge sources (this rank's shard).
+        edge_source_slot: [E] row of ``source_logits`` that predicts each edge.
+        edge_target: [E] target token id of each edge.
+        group: the tensor-parallel process group.
+
+    Returns:
+        [E] bool, the same on every rank of ``group``.
+    """
+    with torch.no_grad():
+        logits = source_logits.float()
+        if group.size() == 1:
+            return logits.argmax(dim=-1)[edge_source_slot] == edge_target
+        shard = logits.shape[-1]
+        local_max = logits.max(dim=-1).values
+        global_max = local_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        first = logits.argmax(dim=-1) + group.rank() * shard
+        first = torch.where(
+            local_max == global_max, first, torch.full_like(first, shard * group.size())
+        )
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        return first[edge_source_slot] == edge_target

@@ -11,7 +11,8 @@ command line wins:
   relies on (pre-tokenized data, per-token loss reduction, external data iterator);
 * :data:`TINY_MODEL_PRESET` only when no model-size flag (:data:`MODEL_SHAPE_FLAGS`) is given: the
   built-in tiny model, batch and schedule, so that ``python pretrain_hybrid.py`` trains out of the
-  box (``--hybrid-layer-pattern`` alone keeps the tiny sizes with another layer mix). Give any
+  box (``--hybrid-layer-pattern`` alone keeps the tiny sizes with another layer mix;
+  ``--mtp-num-layers N`` alone gives it N MTP depths of :data:`DEFAULT_MTP_LAYER_PATTERN`). Give any
   model-size flag and you configure a real model with Megatron's usual defaults and requirements.
 """
 
@@ -26,6 +27,7 @@ from typing import Optional, Sequence
 
 __all__ = [
     "DEFAULT_LAYER_PATTERN",
+    "DEFAULT_MTP_LAYER_PATTERN",
     "SCRIPT_DEFAULTS",
     "TINY_MODEL_PRESET",
     "MODEL_SHAPE_FLAGS",
@@ -42,6 +44,8 @@ __all__ = [
 
 # Every layer type a forest supports, once each: Mamba (M), attention (*), MLP (-) and MoE (E).
 DEFAULT_LAYER_PATTERN = "M*-E"
+# The layers of each MTP depth the tiny model gets with --mtp-num-layers N (attention and MoE).
+DEFAULT_MTP_LAYER_PATTERN = "*E"
 
 TRAINERS = ("auto", "megatron", "loop")
 
@@ -218,9 +222,14 @@ def _preset(argv: Sequence[str]) -> Optional[dict]:
     args = _probe(argv)
     if not all(getattr(args, name) is None for name in MODEL_SHAPE_FLAGS):
         return None
+    preset = dict(TINY_MODEL_PRESET)
+    if args.mtp_num_layers and args.hybrid_layer_pattern is None:
+        preset["hybrid_layer_pattern"] = DEFAULT_LAYER_PATTERN + "".join(
+            "/" + DEFAULT_MTP_LAYER_PATTERN for _ in range(args.mtp_num_layers)
+        )
     if args.tokenizer_type != SCRIPT_DEFAULTS["tokenizer_type"]:
-        return {k: v for k, v in TINY_MODEL_PRESET.items() if k != "vocab_size"}
-    return TINY_MODEL_PRESET
+        del preset["vocab_size"]
+    return preset
 
 
 def extra_args_provider(argv: Sequence[str]):

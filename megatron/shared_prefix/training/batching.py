@@ -35,6 +35,7 @@ __all__ = [
     "DenseMicroBatch",
     "MicroBatch",
     "StepBatch",
+    "row_mtp_targets",
     "build_step_batch",
     "empty_row",
 ]
@@ -70,12 +71,15 @@ class DenseMicroBatch:
         coefficients: [b, S] float32 coefficient of the target predicted at ``t`` (token ``t + 1``);
             0 on padding and unsupervised positions.
         units: this micro-batch's share of the step's loss divisor.
+        loss_mask: [b, S] float32, 1 where ``t`` predicts a supervised target: megatron's loss
+            mask, which HybridModel's MTP loss reads (rolled per depth) and normalizes by.
     """
 
     tokens: np.ndarray
     labels: np.ndarray
     coefficients: np.ndarray
     units: int
+    loss_mask: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +109,24 @@ class StepBatch:
     executed_tokens: int
     loss_tokens: int
     units: int
+    _mtp_targets: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def mtp_targets(self, num_depths: int) -> np.ndarray:
+        """[num_depths] int64: the targets each MTP depth has in the step's packed rows (an edge
+        ``(s, j)`` has one at depth ``d`` iff ``j >= d + 1``); counted once per step."""
+        if num_depths not in self._mtp_targets:
+            counts = np.zeros(num_depths, dtype=np.int64)
+            for micro_batch in self.micro_batches:
+                if isinstance(micro_batch, PackedRow):
+                    counts += row_mtp_targets(micro_batch.layout, num_depths)
+            self._mtp_targets[num_depths] = counts
+        return self._mtp_targets[num_depths]
+
+
+def row_mtp_targets(layout: ForestLayout, num_depths: int) -> np.ndarray:
+    """[num_depths] int64: the row's edges with a target at MTP depth ``1 .. num_depths``."""
+    depths = np.arange(1, num_depths + 1)
+    return (layout.edge_position[None, :] >= depths[:, None] + 1).sum(axis=1).astype(np.int64)
 
 
 def _packed(
@@ -144,13 +166,17 @@ def _dense_micro_batch(
     tokens = np.zeros((len(examples), length), dtype=np.int64)
     labels = np.zeros_like(tokens)
     coefficients = np.zeros((len(examples), length), dtype=np.float32)
+    loss_mask = np.zeros((len(examples), length), dtype=np.float32)
     for i, example in enumerate(examples):
         n = len(example)
         tokens[i, :n] = example.tokens
         labels[i, : n - 1] = example.tokens[1:]
         coefficients[i, : n - 1] = target_coefficients(example, normalization)[1:]
+        loss_mask[i, : n - 1] = example.loss_mask[1:]
     units = sum(example_units(e, normalization) for e in examples)
-    return DenseMicroBatch(tokens=tokens, labels=labels, coefficients=coefficients, units=units)
+    return DenseMicroBatch(
+        tokens=tokens, labels=labels, coefficients=coefficients, units=units, loss_mask=loss_mask
+    )
 
 
 def _dense(

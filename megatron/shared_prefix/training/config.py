@@ -455,6 +455,16 @@ def check_flags_before_megatron(args: argparse.Namespace) -> None:
         args.ckpt_step is None or args.ckpt_step >= 0,
         f"--ckpt-step must be >= 0, got {args.ckpt_step}",
     )
+    if args.mtp_num_layers:
+        pattern = args.hybrid_layer_pattern or ""
+        depths = len(pattern.split("/")) - 1 if "/" in pattern else 0
+        _require(
+            depths == args.mtp_num_layers,
+            f"--mtp-num-layers {args.mtp_num_layers} with --hybrid-layer-pattern {pattern!r}, "
+            f"which has {depths} MTP depths: megatron-core builds a hybrid model's MTP layers "
+            "from the pattern, one '/<layers>' per depth (e.g. "
+            f"{(pattern.split('/')[0] or 'M*') + '/*E' * args.mtp_num_layers!r})",
+        )
 
 
 def _text_config(args: argparse.Namespace, data_parallel_size: int) -> Optional[TextDataConfig]:
@@ -505,6 +515,13 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
         f"--eval-iters {args.eval_iters}: validation data is not supported; use 0",
     )
     _require(
+        not args.mtp_num_layers or args.shared_prefix_loss_normalization == "token",
+        f"--mtp-num-layers {args.mtp_num_layers} with --shared-prefix-loss-normalization "
+        "sequence: megatron's MTP loss is a mean per loss token, which the per-sequence "
+        "normalization of the main loss would rescale differently in dense and packed "
+        "micro-batches; use token normalization",
+    )
+    _require(
         args.shared_prefix_packing or args.context_parallel_size == 1,
         f"--context-parallel-size {args.context_parallel_size} with --no-shared-prefix-packing: "
         "dense rows under context parallelism need Transformer Engine's attention, which this "
@@ -522,6 +539,16 @@ def _check_script_invariants(args: argparse.Namespace, trainer: str) -> None:
             or args.sequence_parallel,
             f"--tensor-model-parallel-size {args.tensor_model_parallel_size} with MoE layers "
             "needs --sequence-parallel (as megatron-core requires)",
+        )
+        mtp_layers = "".join((args.hybrid_layer_pattern or "").split("/")[1:])
+        _require(
+            "E" not in mtp_layers
+            or args.expert_model_parallel_size == 1
+            or args.moe_token_dispatcher_type != "allgather",
+            f"--expert-model-parallel-size {args.expert_model_parallel_size} with "
+            "--moe-token-dispatcher-type allgather and MoE layers in the MTP depths of "
+            f"--hybrid-layer-pattern {args.hybrid_layer_pattern!r}: the dispatcher stacks "
+            "equal-length rows and the MTP depths' rows differ in length; use alltoall",
         )
         _require(
             args.pipeline_model_parallel_size == 1 or args.moe_token_dispatcher_type != "allgather",

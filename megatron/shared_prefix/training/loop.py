@@ -8,7 +8,8 @@ parallel flags (tensor, sequence, expert, data and pipeline parallelism on gloo;
 1. take the next global batch of examples (``ExampleStream``, positioned by consumed examples);
 2. turn it into micro-batches: packed rows, or dense padded batches (``build_step_batch``);
 3. for each micro-batch: forward, ``sum(coefficients * losses) / step units``, backward (gradients
-   accumulate, so the summed gradient is the normalized loss's);
+   accumulate, so the summed gradient is the normalized loss's); with MTP depths, megatron's MTP
+   loss (model.py) joins it with the same divisor, and its ``mtp_k loss`` is logged;
 4. clip, one optimizer step, one LR-scheduler increment of ``global batch size`` examples, one
    metrics record; save a checkpoint at ``--save-interval``.
 
@@ -44,7 +45,10 @@ from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, 
 from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
+    mtp_loss_sum,
     padded_vocab_size,
+    record_mtp_metrics,
+    report_mtp_losses,
     transformer_config,
     weighted_loss_sum,
 )
@@ -77,6 +81,7 @@ _SIGNATURE_FLAGS = (
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
     "swiglu",
+    "mtp_use_repeated_layer",
 )
 
 
@@ -195,17 +200,25 @@ def train_step(
 ) -> tuple[float, float]:
     """Forward and backward over every micro-batch of ``step``, then clip; no optimizer step.
 
+    With MTP depths the MTP loss joins each micro-batch's (model.py) and its metrics go to
+    MTPLossLoggingHelper (``report_mtp_losses`` reads them).
+
     Returns:
         (loss, gradient norm before clipping). Gradients are left in ``.grad``.
     """
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
     divisor = max(step.units, 1)
+    mtp_scale = model.config.mtp_loss_scaling_factor if model.config.mtp_num_layers else 0.0
+    # A dense micro-batch attaches megatron's MTP loss to its output, scaled in the backward pass
+    # by this; megatron.training sets it to 1 and divides every gradient by the step's units.
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / divisor, device=device))
     loss = 0.0
     for micro_batch in step.micro_batches:
-        contribution = (
-            weighted_loss_sum(forward_micro_batch(model, micro_batch, device), micro_batch)
-            / divisor
-        )
-        contribution.backward()
+        losses = forward_micro_batch(model, micro_batch, device)
+        contribution = weighted_loss_sum(losses, micro_batch) / divisor
+        (contribution + mtp_loss_sum(losses, micro_batch, mtp_scale) / divisor).backward()
+        record_mtp_metrics(losses, micro_batch, step, None, None)
         loss += float(contribution.detach())
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = clip_grad if clip_grad > 0 else math.inf
@@ -278,6 +291,11 @@ class _Trainer:
     """Model, optimizer and scheduler of one run, and the loop over its global batches."""
 
     def __init__(self, args, config: RunConfig, device: torch.device, log: Callable[[str], None]):
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        # megatron-core's MTP metrics are process-global, sized by the first model that records:
+        # this run's model is that model.
+        MTPLossLoggingHelper.tracker.clear()
         self.stepper = None
         # The last rank (last pipeline stage) reports for the world.
         self.reporting = args.rank == args.world_size - 1
@@ -420,6 +438,10 @@ class _Trainer:
             totals, grad_norm = self.stepper.step(examples, self.config.schedule.clip_grad)
         else:
             totals, grad_norm = self._single_process_step(examples)
+        totals["mtp_losses"] = report_mtp_losses(
+            self.model.config.mtp_num_layers, totals["micro_batches_per_rank"], iteration
+        )
+        del totals["micro_batches_per_rank"]
         loss = totals["loss"]
         if self.config.checkpoint.check_finite and not math.isfinite(loss + grad_norm):
             raise FloatingPointError(
@@ -449,6 +471,7 @@ class _Trainer:
             "executed_tokens": step.executed_tokens,
             "loss_tokens": step.loss_tokens,
             "micro_batches": len(step.micro_batches),
+            "micro_batches_per_rank": len(step.micro_batches),
         }
         return totals, grad_norm
 

@@ -60,6 +60,8 @@ from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
     micro_batch_units,
+    mtp_loss_sum,
+    record_mtp_metrics,
     weighted_loss_sum,
 )
 
@@ -160,6 +162,11 @@ class StepMeter:
         self._step: Optional[StepBatch] = None
         self._step_start = 0.0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    @property
+    def step(self) -> Optional[StepBatch]:
+        """The step whose micro-batches are running (None before the first)."""
+        return self._step
 
     def begin_step(self, step: StepBatch) -> None:
         """Close the running step (if any) and start timing ``step``."""
@@ -373,37 +380,55 @@ class MegatronSession:
         """Megatron forward step: one micro-batch's per-target losses and its loss function."""
         micro_batch = next(data_iterator)
         losses = forward_micro_batch(model, micro_batch, self.device)
-        return losses, functools.partial(self.loss_func, micro_batch)
+        config = model.config
+        mtp_scale = config.mtp_loss_scaling_factor if config.mtp_num_layers else None
+        return losses, functools.partial(self.loss_func, micro_batch, mtp_scale=mtp_scale)
 
-    def loss_func(self, micro_batch, losses: torch.Tensor):
-        """(loss sum, units, {'lm loss': [sum, units]}), the ``--calculate-per-token-loss`` form."""
+    def loss_func(self, micro_batch, losses, *, mtp_scale: Optional[float] = None):
+        """(loss sum, units, {'lm loss': [sum, units]}), the ``--calculate-per-token-loss`` form.
+
+        With MTP depths (``mtp_scale``, the model's ``mtp_loss_scaling_factor``) a packed row's
+        MTP loss joins the returned sum (model.py) and its metrics go to MTPLossLoggingHelper,
+        which megatron.training's log reports as ``mtp_k loss``; the ``lm loss`` report is the
+        main loss alone.
+        """
         from megatron.core import parallel_state
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
         cp_group = parallel_state.get_context_parallel_group()
         loss_sum = weighted_loss_sum(losses, micro_batch, cp_group)
+        objective = loss_sum
+        if mtp_scale is not None:
+            record_mtp_metrics(
+                losses,
+                micro_batch,
+                self.meter.step,
+                cp_group,
+                parallel_state.get_data_parallel_group(),
+            )
+            objective = loss_sum + mtp_loss_sum(losses, micro_batch, mtp_scale)
         if self.config.checkpoint.check_finite:
             machine = get_rerun_state_machine()
             machine.validate_result(
-                result=loss_sum,
+                result=objective,
                 rejection_func=torch.isnan,
                 message="found NaN in local forward loss calculation",
                 tolerance=0.0,
                 fatal=True,
             )
             machine.validate_result(
-                result=loss_sum,
+                result=objective,
                 rejection_func=torch.isinf,
                 message="found Inf in local forward loss calculation",
                 tolerance=0.0,
                 fatal=True,
             )
         units = torch.tensor(
-            micro_batch_units(micro_batch, cp_group), dtype=torch.int, device=losses.device
+            micro_batch_units(micro_batch, cp_group), dtype=torch.int, device=loss_sum.device
         )
         self.meter.add_loss(loss_sum)
         report = torch.stack([loss_sum.detach().float(), units.float()])
-        return loss_sum, units, {"lm loss": report}
+        return objective, units, {"lm loss": report}
 
 
 def _use_prebuilt_dataset_helpers() -> None:

@@ -33,6 +33,7 @@ class StepMetrics:
         micro_batches: packed rows (or dense micro-batches) run, summed over ranks.
         step_time_s: wall time of the step.
         elapsed_s: wall time since training started.
+        mtp_losses: ``mtp_k loss`` of each MTP depth ``k`` as megatron logs it (empty without MTP).
     """
 
     iteration: int
@@ -47,6 +48,7 @@ class StepMetrics:
     micro_batches: int
     step_time_s: float
     elapsed_s: float
+    mtp_losses: tuple[float, ...] = ()
 
     @property
     def saving(self) -> float:
@@ -85,6 +87,7 @@ def format_log_line(m: StepMetrics) -> str:
     if m.learning_rate is not None:
         parts.append(f"learning rate: {m.learning_rate:.6E}")
     parts.append(f"lm loss: {m.loss:.6E}")
+    parts += [f"mtp_{k + 1} loss: {loss:.6E}" for k, loss in enumerate(m.mtp_losses)]
     if m.grad_norm is not None:
         parts.append(f"grad norm: {m.grad_norm:.3f}")
     parts += [
@@ -170,6 +173,8 @@ class MetricsWriter:
             for name in _TENSORBOARD_SCALARS:
                 if record[name] is not None:
                     self.tensorboard.add_scalar(f"shared-prefix/{name}", record[name], m.iteration)
+            for k, loss in enumerate(m.mtp_losses):
+                self.tensorboard.add_scalar(f"mtp_{k + 1} loss", loss, m.iteration)
         if m.iteration % self.log_interval == 0 or m.iteration in (1, m.train_iters):
             self.log(format_log_line(m))
 
@@ -201,7 +206,10 @@ def _truncate_jsonl(path: str, iteration: int) -> None:
 
 def _json_ready(record: dict) -> dict:
     """Non-finite floats as strings ("nan", "inf"): JSON has no literal for them."""
-    return {
-        k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-        for k, v in record.items()
-    }
+
+    def ready(value):
+        if isinstance(value, (tuple, list)):
+            return [ready(v) for v in value]
+        return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+    return {k: ready(v) for k, v in record.items()}

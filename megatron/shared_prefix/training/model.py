@@ -4,6 +4,15 @@ The network is configured entirely by Megatron's arguments (``core_transformer_c
 so the single-process loop and megatron.training build the same SharedPrefixHybridModel from the
 same flags. A micro-batch's forward returns per-target losses shaped like its coefficients
 (batching.py); their weighted sum is the micro-batch's share of the step's loss numerator.
+
+With MTP depths (``--mtp-num-layers``, a pattern ``"<main>/<mtp>/..."``) the MTP loss is megatron's
+(``process_mtp_loss`` with ``--calculate-per-token-loss``): per micro-batch and depth, the summed
+loss of the depth's targets times ``original_num_tokens / num_tokens``, scaled by
+``mtp_loss_scaling_factor / mtp_num_layers``, added to the loss whose gradient Megatron divides by
+the step's units. A dense micro-batch computes it inside HybridModel.forward from its loss mask; a
+packed row returns every edge's per-depth losses (``shared_prefix_mtp_losses=True``) and
+:func:`mtp_loss_sum` forms the same sum with the row as the micro-batch (its loss tokens are its
+units). :func:`record_mtp_metrics` logs them through megatron's MTPLossLoggingHelper.
 """
 
 from __future__ import annotations
@@ -12,15 +21,25 @@ import argparse
 import copy
 from typing import Optional
 
+import numpy as np
 import torch
 
-from megatron.shared_prefix.training.batching import DenseMicroBatch, MicroBatch, PackedRow
+from megatron.shared_prefix.training.batching import (
+    DenseMicroBatch,
+    MicroBatch,
+    PackedRow,
+    StepBatch,
+    row_mtp_targets,
+)
 
 __all__ = [
     "transformer_config",
     "build_model",
     "forward_micro_batch",
     "weighted_loss_sum",
+    "mtp_loss_sum",
+    "record_mtp_metrics",
+    "report_mtp_losses",
     "micro_batch_units",
 ]
 
@@ -94,22 +113,26 @@ def build_model(
     )
 
 
-def forward_micro_batch(
-    model: torch.nn.Module, micro_batch: MicroBatch, device: torch.device
-) -> torch.Tensor:
-    """Per-target float32 losses of a micro-batch: [E] for a packed row, [b, S] for a dense batch.
+def forward_micro_batch(model: torch.nn.Module, micro_batch: MicroBatch, device: torch.device):
+    """Per-target float32 losses of a micro-batch: for a packed row the forest forward's
+    ``ForestLosses`` (``edge_loss`` [E] and the MTP depths' [D, E], D = 0 without MTP), for a
+    dense batch [b, S].
 
     A packed row runs the forest forward (the model builds its device tensors from the layout); a
-    dense batch runs the plain HybridModel forward with labels.
+    dense batch runs the plain HybridModel forward with labels and loss mask (from which it
+    computes its MTP loss, if any).
     """
     if isinstance(micro_batch, PackedRow):
-        return model(None, None, None, shared_prefix_layout=micro_batch.layout)
+        return model(
+            None, None, None, shared_prefix_layout=micro_batch.layout, shared_prefix_mtp_losses=True
+        )
     if not isinstance(micro_batch, DenseMicroBatch):
         raise TypeError(f"unknown micro-batch type {type(micro_batch).__name__}")
     tokens = torch.from_numpy(micro_batch.tokens).to(device)
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
     labels = torch.from_numpy(micro_batch.labels).to(device)
-    return model(tokens, positions, None, labels=labels)
+    loss_mask = torch.from_numpy(micro_batch.loss_mask).to(device)
+    return model(tokens, positions, None, labels=labels, loss_mask=loss_mask)
 
 
 def _context_parallel(group) -> tuple[int, int]:
@@ -118,13 +141,29 @@ def _context_parallel(group) -> tuple[int, int]:
     return group.size(), group.rank()
 
 
-def weighted_loss_sum(losses: torch.Tensor, micro_batch: MicroBatch, cp_group=None) -> torch.Tensor:
-    """Scalar ``sum(coefficients * losses)``: the micro-batch's share of the loss numerator.
+def _main_losses(losses) -> torch.Tensor:
+    """The main per-target losses of ``forward_micro_batch``'s result (read by position: a
+    Float16Module wrapper returns a ForestLosses as a plain tuple)."""
+    return losses[0] if isinstance(losses, tuple) else losses
+
+
+def _mtp_losses(losses, micro_batch: MicroBatch):
+    """([D, E] MTP losses, [D, E] argmax matches) of a packed row's result, or None (a dense
+    micro-batch, or a model without MTP)."""
+    if not isinstance(micro_batch, PackedRow) or losses[1].shape[0] == 0:
+        return None
+    return losses[1], losses[2]
+
+
+def weighted_loss_sum(losses, micro_batch: MicroBatch, cp_group=None) -> torch.Tensor:
+    """Scalar ``sum(coefficients * losses)`` of the main losses: the micro-batch's share of the
+    loss numerator.
 
     Under context parallelism (``cp_group`` of size > 1) a packed row's forward returns the
     losses of this rank's edges only (``context_parallel_edges``), so only their coefficients are
     used; the context-parallel ranks' sums add up to the row's.
     """
+    losses = _main_losses(losses)
     coefficients = micro_batch.coefficients
     cp_size, cp_rank = _context_parallel(cp_group)
     if cp_size > 1 and isinstance(micro_batch, PackedRow):
@@ -135,8 +174,84 @@ def weighted_loss_sum(losses: torch.Tensor, micro_batch: MicroBatch, cp_group=No
     return (losses.float() * coefficients).sum()
 
 
+def _depth_sums(mtp_edge_loss: torch.Tensor) -> torch.Tensor:
+    """[D] sum of each depth's defined (not NaN) losses."""
+    return torch.where(torch.isnan(mtp_edge_loss), 0.0, mtp_edge_loss).sum(dim=1)
+
+
+def mtp_loss_sum(losses, micro_batch: MicroBatch, mtp_loss_scaling_factor: float) -> torch.Tensor:
+    """A packed row's MTP loss as megatron's ``process_mtp_loss`` forms it with
+    ``calculate_per_token_loss`` (the row as the micro-batch, its units as its loss tokens):
+    ``scale / D * sum_d (sum of depth d's losses) * units / (row targets at depth d)``.
+
+    This rank's share under context parallelism (its edges; the targets are the row's). Zero for
+    a dense micro-batch, whose MTP loss HybridModel.forward attaches itself, and without MTP.
+    """
+    mtp = _mtp_losses(losses, micro_batch)
+    if mtp is None:
+        return _main_losses(losses).new_zeros(())
+    depths = len(mtp[0])
+    targets = row_mtp_targets(micro_batch.layout, depths)
+    factor = torch.as_tensor(
+        micro_batch.units / np.maximum(targets, 1), dtype=torch.float32, device=mtp[0].device
+    )
+    return (_depth_sums(mtp[0]) * factor).sum() * (mtp_loss_scaling_factor / depths)
+
+
+def record_mtp_metrics(losses, micro_batch: MicroBatch, step: StepBatch, cp_group, dp_group):
+    """Log a packed row's MTP losses and acceptance through megatron's MTPLossLoggingHelper,
+    which megatron.training (and the loop) report per step as ``mtp_k loss`` (sum over the
+    step's micro-batches divided by their number, averaged over data-parallel ranks).
+
+    Each row records its share of the per-token mean over the step's targets at the depth
+    (``sum * micro-batches / step targets``), so the report is the step's mean loss per target,
+    padding rows and rows of other sizes notwithstanding; context-parallel ranks' shares are
+    summed. Nothing for a dense micro-batch (HybridModel.forward records it) or without MTP.
+    """
+    mtp = _mtp_losses(losses, micro_batch)
+    if mtp is None:
+        return
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    mtp_edge_loss, mtp_edge_correct = mtp
+    depths = len(mtp_edge_loss)
+    step_targets = np.maximum(step.mtp_targets(depths), 1)
+    sums = _depth_sums(mtp_edge_loss.detach())
+    correct = mtp_edge_correct.sum(dim=1).float()
+    defined = (~torch.isnan(mtp_edge_loss)).sum(dim=1).float()
+    for depth in range(depths):
+        MTPLossLoggingHelper.save_metrics_to_tracker(
+            sums[depth] * (len(step.micro_batches) / step_targets[depth]),
+            correct[depth],
+            defined[depth],
+            depth,
+            depths,
+            reduce_group=cp_group if cp_group is not None and cp_group.size() > 1 else None,
+            avg_group=dp_group,
+        )
+
+
 def micro_batch_units(micro_batch: MicroBatch, cp_group=None) -> int:
     """The micro-batch's loss units as this rank reports them: all of them, or under context
     parallelism only on context-parallel rank 0 (megatron sums units over data x context
     parallel ranks)."""
     return micro_batch.units if _context_parallel(cp_group)[1] == 0 else 0
+
+
+def report_mtp_losses(
+    num_depths: Optional[int], num_micro_batches: int, iteration: int, writer=None
+) -> tuple[float, ...]:
+    """The step's ``mtp_k loss`` of ``num_depths`` MTP depths from MTPLossLoggingHelper, as
+    megatron.training reports them (``track_mtp_metrics`` with ``1 / num_micro_batches``: reduced
+    over the recorded groups, written to ``writer`` if given, then cleared); empty without MTP
+    and on a pipeline stage that records nothing (no loss there)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if not num_depths or "loss_values" not in MTPLossLoggingHelper.tracker:
+        return ()
+    depths = num_depths
+    totals = {}
+    MTPLossLoggingHelper.track_mtp_metrics(
+        1.0 / num_micro_batches, iteration, writer, total_loss_dict=totals
+    )
+    return tuple(float(totals[f"mtp_{depth + 1} loss"]) for depth in range(depths))

@@ -33,7 +33,9 @@ from megatron.shared_prefix.training.model import (
     build_model,
     forward_micro_batch,
     micro_batch_units,
+    mtp_loss_sum,
     padded_vocab_size,
+    record_mtp_metrics,
     transformer_config,
     weighted_loss_sum,
 )
@@ -201,8 +203,8 @@ class ParallelStepper:
 
         Returns:
             (the step's totals over data-parallel ranks: loss, logical/executed/loss tokens and
-            micro-batches, identical on every rank of the last stage; the gradient norm before
-            clipping).
+            micro-batches, identical on every rank of the last stage, and this rank's micro-batch
+            count; the gradient norm before clipping).
         """
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -211,14 +213,21 @@ class ParallelStepper:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
         cp_group = self.context_parallel_group
+        config = self.model.config
+        mtp_scale = config.mtp_loss_scaling_factor if config.mtp_num_layers else 0.0
 
         def loss_func(micro_batch, losses):
             nonlocal loss_sum
             contribution = weighted_loss_sum(losses, micro_batch, cp_group)
             loss_sum = loss_sum + contribution.detach().double()
+            record_mtp_metrics(losses, micro_batch, step, cp_group, self.data_parallel_group)
             units = micro_batch_units(micro_batch, cp_group)
-            units = torch.tensor(units, dtype=torch.int, device=losses.device)
-            return contribution, units, {"lm loss": torch.stack([contribution.detach(), units])}
+            units = torch.tensor(units, dtype=torch.int, device=self.device)
+            return (
+                contribution + mtp_loss_sum(losses, micro_batch, mtp_scale),
+                units,
+                {"lm loss": torch.stack([contribution.detach(), units])},
+            )
 
         def forward_step(data_iterator, chunk):
             micro_batch = next(data_iterator)
@@ -267,6 +276,7 @@ class ParallelStepper:
                 "executed_tokens": int(executed),
                 "loss_tokens": int(loss_tokens),
                 "micro_batches": int(micro_batches),
+                "micro_batches_per_rank": len(step.micro_batches),
             },
             grad_norm,
         )

@@ -1,4 +1,4 @@
-"""Forest training steps under TP, SP, EP, DP and PP against the TP = 1 dense reference.
+"""Forest training steps under TP, SP, EP, DP, PP and CP against the TP = 1 dense reference.
 
 Run by torchrun (test_parallel_forests.py launches it): ``parallel_cases.py OUT.json CASE ...``.
 Every case, on every rank:
@@ -15,6 +15,12 @@ Every case, on every rank:
    (data-parallel, sequence-parallel and embedding reductions, as in megatron.training);
 4. gathers full gradients and compares them, the per-edge losses and the MoE counts with the
    reference.
+
+Cases with MTP depths either weight every edge's main and per-depth MTP losses
+(``shared_prefix_mtp_losses=True``; the reference reads the dense per-token MTP losses where
+``process_mtp_loss`` computes them) or train the MTP loss as HybridModel does (``mtp_path
+"megatron"``: MTPLossAutoScaler, the reference is the dense batch's own MTP loss with the rows'
+loss masks).
 
 Rank 0 writes {case: {"loss_error", "grad_error", "worst_grad", "counts_equal", ...}}; the pytest
 side asserts the tolerances.
@@ -45,6 +51,11 @@ from megatron.core.distributed import (  # noqa: E402
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler  # noqa: E402
+from models.hybrid.dense_reference import (  # noqa: E402
+    dense_mtp_losses,
+    without_megatron_mtp_gradient,
+)
 from moe.forests import dense_gather_index, random_sequences, root_paths  # noqa: E402
 from tiny import tiny_config  # noqa: E402
 
@@ -89,6 +100,21 @@ class Case:
     # "random" forests, or "branch_points": rows whose context-parallel chunk boundaries fall
     # exactly at branch points, one with a root shorter than the Mamba conv window.
     batch: str = "random"
+    # MTP: the layer pattern of each depth, the number of depths, and how the loss is trained:
+    # "edges" (per-edge MTP losses, weighted by the case) or "megatron" (MTPLossAutoScaler).
+    mtp: str = ""
+    depths: int = 0
+    mtp_path: str = "edges"
+
+    @property
+    def main_pattern(self) -> str:
+        """The decoder's pattern without pipeline-stage boundaries."""
+        return self.pattern.replace("|", "")
+
+    def hybrid_layer_pattern(self, parallel: bool) -> str:
+        """The model's pattern: the decoder's ('|' boundaries when parallel), MTP depths."""
+        main = self.pattern if parallel else self.main_pattern
+        return main + "".join("/" + self.mtp for _ in range(self.depths))
 
     @property
     def equal_rows(self) -> bool:
@@ -126,6 +152,23 @@ CASES = {
     # The allgather dispatcher stacks equal-length rows over TP x EP (rows padded to capacity).
     "tp2_sp_ep2_allgather": Case("*E-M", tp=2, sp=True, ep=2, seed=22),
     "pp2_tp2_sp": Case("M*E|*M", tp=2, sp=True, pp=2, dispatcher="alltoall", seed=13),
+    # Multi-token prediction: each depth's row is split and reduced as the main row is.
+    "tp2_sp_mtp": Case("M*-", tp=2, sp=True, seed=23, mtp="*M", depths=2),
+    "cp2_mtp": Case("*M-", cp=2, seed=24, mtp="M*", depths=2, replay=True),
+    "cp2_mtp_megatron": Case("M*-", cp=2, seed=25, mtp="*M", depths=2, mtp_path="megatron"),
+    "pp2_mtp": Case("M*|-M", pp=2, dispatcher="alltoall", seed=26, mtp="M*", depths=1),
+    "cp2_tp2_sp_mtp": Case("*M-", tp=2, sp=True, cp=2, seed=27, mtp="*M", depths=2),
+    # MoE in the MTP depths (alltoall: the depths' rows differ in length between EP ranks). No
+    # load-balancing loss: the padded dense reference marks a depth's end positions as padding.
+    "ep2_mtp_alltoall": Case(
+        "*E-",
+        ep=2,
+        dispatcher="alltoall",
+        seed=28,
+        mtp="E*",
+        depths=2,
+        config=(("moe_aux_loss_coeff", [0.0, 0.0]), ("moe_z_loss_coeff", None)),
+    ),
 }
 
 
@@ -133,7 +176,8 @@ def _config(case: Case, parallel: bool):
     extra = dict(case.config)
     extra.pop("learned", None)
     settings = dict(
-        num_layers=len(case.pattern.replace("|", "")),
+        num_layers=len(case.main_pattern),
+        mtp_num_layers=case.depths or None,
         hidden_size=32,
         num_attention_heads=4,
         num_query_groups=4 if case.tp == 4 else 2,
@@ -166,14 +210,13 @@ def _config(case: Case, parallel: bool):
 
 
 def _build(case: Case, parallel: bool):
-    pattern = case.pattern if parallel else case.pattern.replace("|", "")
     torch.manual_seed(case.seed)
     model = SharedPrefixHybridModel(
         _config(case, parallel),
         hybrid_stack_spec=hybrid_stack_spec(4 if case.moe else None, mamba_chunk_size=8),
         vocab_size=VOCAB,
         max_sequence_length=256,
-        hybrid_layer_pattern=pattern,
+        hybrid_layer_pattern=case.hybrid_layer_pattern(parallel),
         position_embedding_type="learned_absolute" if dict(case.config).get("learned") else "rope",
         share_embeddings_and_output_weights=case.tied,
         pre_process=parallel_state.is_pipeline_first_stage() if parallel else True,
@@ -210,31 +253,62 @@ def _batch(case: Case, data_parallel: int):
     assert len(rows) >= data_parallel, (len(plan.rows), data_parallel)
     generator = torch.Generator().manual_seed(case.seed)
     weights = [torch.rand(len(row.edge_source), generator=generator) + 0.5 for row in rows]
+    if case.depths:
+        # Main and per-depth MTP weights of every edge.
+        weights = [(w, torch.rand(case.depths, len(w), generator=generator) + 0.5) for w in weights]
     return sequences, rows, weights
 
 
+def _weighted(edge_loss, weights, mtp_loss=None, owned=None):
+    """sum(w * edge_loss), plus sum(w * MTP loss) over the defined MTP losses (``weights`` a
+    (main, [D, E] MTP) pair then); ``owned`` selects this rank's edges."""
+    if mtp_loss is None:
+        main = weights[0] if isinstance(weights, tuple) else weights
+        return (edge_loss * (main if owned is None else main[owned])).sum()
+    main, mtp = weights
+    if owned is not None:
+        main, mtp = main[owned], mtp[:, owned]
+    valid = ~torch.isnan(mtp_loss)
+    return (edge_loss * main).sum() + torch.where(valid, mtp_loss * mtp, 0.0).sum()
+
+
 def _dense_row_losses(model, layout, moe: bool):
-    """[E] dense losses of the row's edges: its sequences as one right-padded micro-batch."""
+    """[E] dense losses of the row's edges: its sequences as one right-padded micro-batch (with
+    MTP depths: also [D, E], NaN where an edge has no target at a depth; the batch's loss mask
+    is the row's edges, which megatron's own MTP loss normalizes by)."""
     index, padding = dense_gather_index(layout)
     tokens = torch.as_tensor(layout.tokens)[index].t()
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    row_of = {int(sequence): k for k, sequence in enumerate(layout.sequence_ids)}
+    rows = torch.tensor([row_of[int(s)] for s in layout.edge_sequence])
+    columns = torch.as_tensor(layout.edge_position) - 1
+    loss_mask = torch.zeros(tokens.shape)
+    loss_mask[rows, columns] = 1.0
     routers = _routers(model)
     for router in routers:
         router.enable_expert_bias = False
     try:
-        loss = model(
-            tokens,
-            positions,
-            None,
-            labels=torch.roll(tokens, -1, 1),
-            padding_mask=padding.t() if moe else None,
-        )
+        with dense_mtp_losses(model) as mtp:
+            loss = model(
+                tokens,
+                positions,
+                None,
+                labels=torch.roll(tokens, -1, 1),
+                loss_mask=loss_mask if model.config.mtp_num_layers else None,
+                padding_mask=padding.t() if moe else None,
+            )
     finally:
         for router in routers:
             router.enable_expert_bias = True
-    row_of = {int(sequence): k for k, sequence in enumerate(layout.sequence_ids)}
-    rows = torch.tensor([row_of[int(s)] for s in layout.edge_sequence])
-    return loss[rows, torch.as_tensor(layout.edge_position) - 1]
+    if not model.config.mtp_num_layers:
+        return loss[rows, columns]
+    # Depth d + 1 predicts the edge's target from position j - 2 - d.
+    depth_losses = []
+    for depth, depth_loss in enumerate(mtp):
+        source = columns - 1 - depth
+        picked = depth_loss[rows, source.clamp(min=0)]
+        depth_losses.append(torch.where(source >= 0, picked, torch.full_like(picked, float("nan"))))
+    return loss[rows, columns], torch.stack(depth_losses)
 
 
 def _reference(case: Case, rows, weights):
@@ -243,12 +317,30 @@ def _reference(case: Case, rows, weights):
     model = _build(case, parallel=False)
     full_weights = {name: param.detach().clone() for name, param in model.named_parameters()}
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))
     losses = []
     for layout, w in zip(rows, weights):
-        loss = _dense_row_losses(model, layout, case.moe)
-        (loss * w).sum().backward()
-        losses.append(loss.detach())
+        if case.depths and case.mtp_path == "edges":
+            with without_megatron_mtp_gradient():
+                loss, mtp_loss = _dense_row_losses(model, layout, case.moe)
+                _weighted(loss, w, mtp_loss).backward()
+            losses.append((loss.detach(), mtp_loss.detach()))
+        else:
+            # "megatron": HybridModel's own MTP loss enters through MTPLossAutoScaler.
+            loss = _dense_row_losses(model, layout, case.moe)
+            loss = loss[0] if case.depths else loss
+            _weighted(loss, w).backward()
+            losses.append(loss.detach())
     grads = {name: param.grad.detach().clone() for name, param in model.named_parameters()}
+    if case.depths and case.mtp_path == "edges":
+        # The MTP argmax matches of the TP = 1 forest forward (checked against megatron's
+        # dense acceptance counts in test_mtp_forest.py).
+        with torch.no_grad():
+            for k, layout in enumerate(rows):
+                forest = model(
+                    None, None, None, shared_prefix_layout=layout, shared_prefix_mtp_losses=True
+                )
+                losses[k] = (*losses[k], forest.mtp_edge_correct)
     counts = None
     if case.moe:
         for router in _routers(model):
@@ -280,15 +372,30 @@ def _forest_step(case: Case, model, rows, weights):
 
     cp_group = parallel_state.get_context_parallel_group()
 
+    per_edge_mtp = case.depths and case.mtp_path == "edges"
+
     def forward_step(data_iterator, chunk):
         k = next(data_iterator)
-        output = chunk(None, None, None, shared_prefix_layout=rows[k])
+        output = chunk(
+            None,
+            None,
+            None,
+            shared_prefix_layout=rows[k],
+            shared_prefix_mtp_losses=bool(per_edge_mtp),
+        )
         owned = context_parallel_edges(rows[k], cp_group.size(), cp_group.rank())
 
-        def loss_func(edge_loss):
-            losses[k] = edge_loss.detach().clone()
+        def loss_func(output):
             # The schedule multiplies by the context-parallel size, DDP averages over DP x CP.
-            return (edge_loss * weights[k][owned]).sum(), {}
+            if per_edge_mtp:
+                losses[k] = (
+                    output.edge_loss.detach().clone(),
+                    output.mtp_edge_loss.detach().clone(),
+                    output.mtp_edge_correct.clone(),
+                )
+                return _weighted(output.edge_loss, weights[k], output.mtp_edge_loss, owned), {}
+            losses[k] = output.detach().clone()
+            return _weighted(output, weights[k], owned=owned), {}
 
         return output, loss_func
 
@@ -331,7 +438,11 @@ def run_case(case: Case) -> dict:
         again = _build(case, parallel=True)
         load_full_tensors(again, full_weights)
         losses_again = _forest_step(case, again, rows, weights)[0]
-        replay_bitwise = all(torch.equal(losses[k], losses_again[k]) for k in losses) and all(
+        replay_bitwise = all(
+            torch.equal(torch.nan_to_num(a.float()), torch.nan_to_num(b.float()))
+            for k in losses
+            for a, b in zip(_loss_tensors(losses[k]), _loss_tensors(losses_again[k]))
+        ) and all(
             torch.equal(a.main_grad, b.main_grad)
             for a, b in zip(model.parameters(), again.parameters())
         )
@@ -345,11 +456,27 @@ def run_case(case: Case) -> dict:
     dist.all_gather_object(everyone, (cp_rank, losses if last else {}))
     loss_error, tp_ranks_agree = 0.0, True
     edges_seen = {}
+    mtp_agree = True
     for rank_cp, rank_losses in everyone:
         for k, loss in rank_losses.items():
             owned = context_parallel_edges(rows[k], cp_size, rank_cp)
             if len(owned):
-                loss_error = max(loss_error, _relative_error(loss, ref_losses[k][owned]))
+                if isinstance(loss, tuple):
+                    (loss, mtp_loss, correct), (ref_loss, ref_mtp, ref_correct) = (
+                        loss,
+                        ref_losses[k],
+                    )
+                    ref_mtp = ref_mtp[:, owned]
+                    valid = ~torch.isnan(ref_mtp)
+                    mtp_agree &= bool(torch.equal(valid, ~torch.isnan(mtp_loss)))
+                    mtp_agree &= bool(torch.equal(correct, ref_correct[:, owned]))
+                    if valid.any():
+                        loss_error = max(
+                            loss_error, _relative_error(mtp_loss[valid], ref_mtp[valid])
+                        )
+                    loss_error = max(loss_error, _relative_error(loss, ref_loss[owned]))
+                else:
+                    loss_error = max(loss_error, _relative_error(loss, ref_losses[k][owned]))
             edges_seen.setdefault(k, set()).update((rank_cp, int(e)) for e in owned)
     every_edge_once = all(
         sorted(e for _, e in edges_seen.get(k, ())) == list(range(len(rows[k].edge_source)))
@@ -357,9 +484,11 @@ def run_case(case: Case) -> dict:
     )
     tp_group = parallel_state.get_tensor_model_parallel_group()
     for k, loss in losses.items():
-        gathered = [torch.empty_like(loss) for _ in range(tp_group.size())]
-        dist.all_gather(gathered, loss, group=tp_group)
-        tp_ranks_agree &= all(torch.equal(g, loss) for g in gathered)
+        for value in _loss_tensors(loss):
+            value = torch.nan_to_num(value.float(), nan=-1.0)
+            gathered = [torch.empty_like(value) for _ in range(tp_group.size())]
+            dist.all_gather(gathered, value, group=tp_group)
+            tp_ranks_agree &= all(torch.equal(g, value) for g in gathered)
 
     # Gradients: megatron divides the step's loss by micro-batches x data-parallel size.
     main_grads = {name: param.main_grad for name, param in model.named_parameters()}
@@ -378,6 +507,7 @@ def run_case(case: Case) -> dict:
         missing_grads=sorted(set(ref_grads) - set(full_grads)),
         tp_ranks_agree=bool(tp_ranks_agree),
         every_edge_once=bool(every_edge_once),
+        mtp_agree=bool(mtp_agree),
         rows=len(rows),
     )
     if replay_bitwise is not None:
@@ -399,6 +529,11 @@ def run_case(case: Case) -> dict:
         tree_counts = torch.cat([totals[s] for s in sorted(totals)])
         result["counts_equal"] = bool(torch.equal(tree_counts, ref_counts))
     return result
+
+
+def _loss_tensors(loss):
+    """The tensors of a row's recorded losses: [E], or ([E], [D, E] MTP, [D, E] argmax matches)."""
+    return loss if isinstance(loss, tuple) else (loss,)
 
 
 def reject_ep2_allgather_unequal_rows() -> dict:

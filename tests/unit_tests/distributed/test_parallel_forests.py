@@ -1,5 +1,6 @@
-"""Forests under TP, SP, EP, DP and PP: multi-process gloo jobs on CPU against the TP = 1 dense
-reference (parallel_cases.py runs the cases; one launched job per world size).
+"""Forests under TP, SP, EP, DP, PP and CP, with and without MTP: multi-process gloo jobs on CPU
+against the TP = 1 dense reference (parallel_cases.py runs the cases; one launched job per world
+size).
 
 Tolerances are the exactness contract's (docs/architecture.md): per-edge losses rel 1e-5, every
 gradient rel 1e-4 after megatron's reductions; MoE expert counts equal. Two cases also replay the
@@ -33,6 +34,11 @@ JOBS = {
         "cp2",
         "cp2_moe_tied",
         "cp2_branch_points",
+        "tp2_sp_mtp",
+        "cp2_mtp",
+        "cp2_mtp_megatron",
+        "pp2_mtp",
+        "ep2_mtp_alltoall",
         "reject_ep2_allgather_unequal_rows",
     ],
     4: [
@@ -45,6 +51,7 @@ JOBS = {
         "cp4_branch_points",
         "cp2_tp2_sp",
         "cp2_ep2_alltoall",
+        "cp2_tp2_sp_mtp",
     ],
 }
 CASES = [(world, name) for world, names in JOBS.items() for name in names]
@@ -107,6 +114,7 @@ def test_parallel_forest_matches_dense(results, world_size, name):
     assert result["grads_compared"] > 10, result
     assert result["tp_ranks_agree"], result
     assert result["every_edge_once"], result
+    assert result["mtp_agree"], result
     if "counts_equal" in result:
         assert result["counts_equal"], result
     if "replay_bitwise" in result:

@@ -61,6 +61,27 @@ def test_packed_and_dense_first_step_agree(train, normalization):
         assert relative_error(other.grad_norm, dense.grad_norm) <= 1e-4
 
 
+def test_packed_and_dense_first_step_agree_with_mtp(train):
+    """--mtp-num-layers 2 gives the tiny model two MTP depths. With the batch in one packed row
+    and in one dense micro-batch, megatron's MTP loss has the same micro-batch, so the step's
+    main and MTP losses and its gradient (MTP loss included) are the dense ones."""
+    flags = ("--train-iters", "1", "--global-batch-size", "12", "--mtp-num-layers", "2")
+    (packed,), lines = train(*flags, "--shared-prefix-packing")
+    (dense,), _ = train(*flags, "--no-shared-prefix-packing", "--micro-batch-size", "12")
+    assert any("pattern M*-E/*E/*E" in line for line in lines)
+    assert any("mtp_1 loss: " in line and "mtp_2 loss: " in line for line in lines)
+    assert packed.micro_batches == dense.micro_batches == 1
+    assert packed.executed_tokens < dense.executed_tokens
+    assert relative_error(packed.loss, dense.loss) <= 1e-5
+    assert len(packed.mtp_losses) == len(dense.mtp_losses) == 2
+    for mine, reference in zip(packed.mtp_losses, dense.mtp_losses):
+        assert relative_error(mine, reference) <= 1e-5
+    assert relative_error(packed.grad_norm, dense.grad_norm) <= 1e-4
+    (without,), _ = train("--train-iters", "1", "--global-batch-size", "12")
+    assert without.mtp_losses == () and relative_error(without.loss, packed.loss) <= 1e-5
+    assert abs(without.grad_norm - packed.grad_norm) > 1e-3 * packed.grad_norm
+
+
 def test_resume_continues_the_same_trajectory(train, tmp_path):
     save = str(tmp_path / "ckpt")
     full, _ = train(*FAST, "--train-iters", "4", "--save", save, "--save-interval", "2")
@@ -209,6 +230,23 @@ def test_bad_data_fails_before_any_state_changes(train, tmp_path, write_jsonl):
             "--max-position-embeddings 256",
         ),
         (("--load", "no/such/dir"), "--load no/such/dir: no such directory"),
+        (
+            ("--mtp-num-layers", "2", "--hybrid-layer-pattern", "*-E"),
+            "--mtp-num-layers 2 with --hybrid-layer-pattern '*-E', which has 0 MTP depths",
+        ),
+        (
+            ("--mtp-num-layers", "1", "--hybrid-layer-pattern", "*-E/*E/*E"),
+            "--mtp-num-layers 1 with --hybrid-layer-pattern '*-E/*E/*E', which has 2 MTP depths",
+        ),
+        (
+            ("--mtp-num-layers", "1", "--shared-prefix-loss-normalization", "sequence"),
+            "--mtp-num-layers 1 with --shared-prefix-loss-normalization sequence",
+        ),
+        (
+            ("--mtp-num-layers", "1", "--expert-model-parallel-size", "2"),
+            "--expert-model-parallel-size 2 with --moe-token-dispatcher-type allgather and MoE "
+            "layers in the MTP depths",
+        ),
     ],
 )
 def test_bad_flags_are_named(train, tmp_path, flags, message, monkeypatch):

@@ -52,13 +52,28 @@ def meter_for(writer=None):
 
 
 @pytest.mark.parametrize("packing", ["--shared-prefix-packing", "--no-shared-prefix-packing"])
-@pytest.mark.parametrize("normalization", ["token", "sequence"])
-def test_megatron_reduction_equals_the_loop(megatron_world, packing, normalization):
-    config, dataset, model = setup(
-        [packing, "--shared-prefix-loss-normalization", normalization], 2
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--shared-prefix-loss-normalization", "token"),
+        ("--shared-prefix-loss-normalization", "sequence"),
+        ("--mtp-num-layers", "2"),
+    ],
+    ids=["token", "sequence", "mtp"],
+)
+def test_megatron_reduction_equals_the_loop(megatron_world, packing, flags):
+    from megatron.core.transformer.multi_token_prediction import (
+        MTPLossAutoScaler,
+        MTPLossLoggingHelper,
     )
+
+    config, dataset, model = setup([packing, *flags], 2)
     num_micro_batches = config.batch.micro_batches_per_step
     assert num_micro_batches == 4  # 8 examples / (micro-batch 1 x 2 ranks)
+    # What megatron's schedule sets with --calculate-per-token-loss (a dense micro-batch's MTP
+    # loss is attached inside HybridModel.forward); the tracker is sized by this model.
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+    MTPLossLoggingHelper.tracker.clear()
 
     model.zero_grad()
     loss_sum = units = 0.0
@@ -76,13 +91,21 @@ def test_megatron_reduction_equals_the_loop(megatron_world, packing, normalizati
             losses, loss_function = session.forward_step(rows, model)
             micro_loss, micro_units, report = loss_function(losses)
             micro_loss.backward()
-            assert report["lm loss"].tolist() == pytest.approx(
-                [micro_loss.item(), micro_units.item()]
-            )
-            loss_sum += micro_loss.item()
+            main_loss = report["lm loss"][0].item()
+            assert report["lm loss"][1].item() == micro_units.item()
+            if "--mtp-num-layers" in flags and packing == "--shared-prefix-packing":
+                # A row's MTP loss joins what is backpropagated, not the lm loss report.
+                assert micro_loss.item() > main_loss or not micro_units.item()
+            else:
+                assert micro_loss.item() == pytest.approx(main_loss)
+            loss_sum += main_loss
             units += float(micro_units)
         assert not rows._pending  # exactly num_micro_batches micro-batches per step
     megatron_grads = [p.grad / units for p in model.parameters()]
+    if "--mtp-num-layers" in flags:
+        assert any(p.grad is not None for n, p in model.named_parameters() if n.startswith("mtp."))
+        assert MTPLossLoggingHelper.tracker["loss_values"].min() > 0
+    MTPLossLoggingHelper.tracker.clear()
 
     model.zero_grad()
     step = build_step_batch(

@@ -51,6 +51,10 @@ LAYOUTS = {
     "dp2": (),
     "cp2": ("--context-parallel-size", "2"),
 }
+# With two MTP depths; layouts that keep the single-process run's rows (one data-parallel rank),
+# so that megatron's per-micro-batch MTP normalization sees the same micro-batches.
+MTP = ("--mtp-num-layers", "2")
+MTP_LAYOUTS = {"tp2_sp_ep2": LAYOUTS["tp2_sp_ep2"], "cp2": LAYOUTS["cp2"]}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU loop's gloo runs")
 
@@ -80,21 +84,31 @@ def torchrun(tmp_path, name, flags):
     return records(metrics), done.stdout
 
 
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
+def single_process_run(directory, flags=()):
     """The single-process run's metrics (a subprocess too, so its world is its own)."""
-    path = tmp_path_factory.mktemp("single") / "metrics.jsonl"
+    path = directory / "metrics.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", PYTHONWARNINGS="ignore")
     command = [
         sys.executable,
         os.path.join(ROOT, "pretrain_hybrid.py"),
         *FLAGS,
+        *flags,
         "--shared-prefix-metrics-jsonl",
         str(path),
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return records(path)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    return single_process_run(tmp_path_factory.mktemp("single"))
+
+
+@pytest.fixture(scope="module")
+def single_process_mtp(tmp_path_factory):
+    return single_process_run(tmp_path_factory.mktemp("single_mtp"), MTP)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -111,3 +125,22 @@ def test_parallel_loop_follows_the_single_process_run(tmp_path, single_process, 
         ), step
         for field in ("logical_tokens", "loss_tokens", "consumed_samples"):
             assert mine[field] == reference[field], (step, field)
+
+
+@pytest.mark.parametrize("name", sorted(MTP_LAYOUTS))
+def test_parallel_loop_with_mtp_follows_the_single_process_run(tmp_path, single_process_mtp, name):
+    """The MTP loss trains and is logged (``mtp_k loss``, reduced over the context-parallel
+    ranks' shares) as in the single-process run."""
+    parallel, _ = torchrun(tmp_path, f"mtp_{name}", (*MTP_LAYOUTS[name], *MTP))
+    assert [r["iteration"] for r in parallel] == [1, 2, 3]
+    for step, (mine, reference) in enumerate(zip(parallel, single_process_mtp)):
+        tolerance = 1e-5 if step == 0 else 1e-3
+        assert len(mine["mtp_losses"]) == len(reference["mtp_losses"]) == 2
+        pairs = [(mine["loss"], reference["loss"])]
+        pairs += list(zip(mine["mtp_losses"], reference["mtp_losses"]))
+        for value, expected in pairs:
+            assert abs(value - expected) <= tolerance * expected, step
+        assert (
+            abs(mine["grad_norm"] - reference["grad_norm"])
+            <= 10 * tolerance * reference["grad_norm"]
+        ), step

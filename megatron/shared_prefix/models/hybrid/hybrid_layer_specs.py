@@ -2,14 +2,11 @@
 megatron/core/models/hybrid/hybrid_layer_specs.py).
 
 ``hybrid_stack_spec()`` covers every layer type a HybridModel pattern can hold that a forest
-supports
-(``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE). It is built from megatron-core's local
-(non-Transformer-Engine) modules unless the caller asks for Transformer Engine, so it builds and
-runs
-on a machine without CUDA (after :func:`megatron.shared_prefix.enable_cpu`). The tree-aware pieces
-are
-swapped in as submodules: the core attention, the Mamba mixer and the MoE router; the rest is stock
-megatron-core.
+supports (``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE), and MTP depths of them. It is built
+from megatron-core's local (non-Transformer-Engine) modules unless the caller asks for Transformer
+Engine, so it builds and runs on a machine without CUDA (after
+:func:`megatron.shared_prefix.enable_cpu`). The tree-aware pieces are swapped in as submodules: the
+core attention, the Mamba mixer, the MoE router and the MTP layer; the rest is stock megatron-core.
 """
 
 from functools import partial
@@ -44,6 +41,7 @@ from megatron.shared_prefix.attention.dot_product_attention import TreeDotProduc
 from megatron.shared_prefix.models.hybrid.hybrid_block import SharedPrefixHybridStack
 from megatron.shared_prefix.moe import tree_moe_module_spec
 from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
+from megatron.shared_prefix.transformer.multi_token_prediction import tree_mtp_block_spec
 from megatron.shared_prefix.transformer.torch_norm import TorchNorm
 
 
@@ -51,6 +49,7 @@ def _transformer_engine_modules():
     try:
         from megatron.core.extensions.transformer_engine import (
             HAVE_TE,
+            TEColumnParallelLinear,
             TELayerNormColumnParallelLinear,
             TENorm,
             TERowParallelLinear,
@@ -63,7 +62,7 @@ def _transformer_engine_modules():
             "here; "
             "use use_te=False for megatron-core's local modules"
         )
-    return TELayerNormColumnParallelLinear, TERowParallelLinear, TENorm
+    return TELayerNormColumnParallelLinear, TERowParallelLinear, TENorm, TEColumnParallelLinear
 
 
 def hybrid_stack_spec(
@@ -98,7 +97,7 @@ def hybrid_stack_spec(
         )
 
     if use_te:
-        norm_linear, row_linear, final_norm = _transformer_engine_modules()
+        norm_linear, row_linear, final_norm, mtp_linear = _transformer_engine_modules()
         input_norm, column_linear = IdentityOp, norm_linear
     else:
         input_norm, column_linear, row_linear = (
@@ -106,7 +105,7 @@ def hybrid_stack_spec(
             ColumnParallelLinear,
             RowParallelLinear,
         )
-        final_norm = TorchNorm
+        final_norm, mtp_linear = TorchNorm, ColumnParallelLinear
 
     mamba_layer = ModuleSpec(
         module=MambaLayer,
@@ -152,7 +151,12 @@ def hybrid_stack_spec(
         ),
     )
     submodules = HybridStackSubmodules(
-        mamba_layer=mamba_layer, attention_layer=attention_layer, mlp_layer=mlp_layer
+        mamba_layer=mamba_layer,
+        attention_layer=attention_layer,
+        mlp_layer=mlp_layer,
+        # Used when hybrid_layer_pattern has MTP depths ("<main>/<mtp>/<mtp>"); each depth's
+        # layers are built from the layer specs above.
+        mtp_block_spec=tree_mtp_block_spec(final_norm, mtp_linear),
     )
     if num_experts is not None:
         submodules.moe_layer = ModuleSpec(

@@ -15,6 +15,7 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 
 from megatron.shared_prefix.layout import ForestLayout
 from megatron.shared_prefix.moe.validation import moe_forest_errors, moe_router_errors
+from megatron.shared_prefix.transformer.multi_token_prediction import TreeMultiTokenPredictionLayer
 
 SUPPORTED_LAYER_SYMBOLS = frozenset({Symbols.MAMBA, Symbols.ATTENTION, Symbols.MLP, Symbols.MOE})
 SUPPORTED_POSITION_EMBEDDINGS = ("rope", "none", "learned_absolute")
@@ -68,11 +69,57 @@ def _config_errors(config) -> list[str]:
         errors.append(f"fp8={config.fp8!r}")
     if config.fp4:
         errors.append(f"fp4={config.fp4!r}")
-    if config.mtp_num_layers and config.mtp_loss_scaling_factor:
+    return errors
+
+
+def row_length_multiple(config) -> int:
+    """What every forest row's length (the main row's, and each MTP depth's) must be a multiple
+    of: the tensor-parallel size under sequence parallelism times ``2 x cp`` under context
+    parallelism, so that the row splits into equal chunks."""
+    tp_size = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return tp_size * (2 * config.context_parallel_size if config.context_parallel_size > 1 else 1)
+
+
+def _mtp_errors(model) -> list[str]:
+    """MTP layers the forest forward can run: megatron-core's block with the shared-prefix layer
+    (``hybrid_stack_spec()``), on the stage that computes the loss, for as many depths as it
+    has layers."""
+    if not getattr(model, "mtp_process", False):
+        return []
+    errors = []
+    config = model.config
+    if not model.post_process:
         errors.append(
-            f"mtp_num_layers={config.mtp_num_layers} with mtp_loss_scaling_factor="
-            f"{config.mtp_loss_scaling_factor} (set mtp_loss_scaling_factor=0 to skip MTP on "
-            "forests)"
+            "MTP layers on a pipeline stage without the output layer (pipeline_model_parallel_"
+            "layout places them before the last stage)"
+        )
+    layers = model.mtp.layers
+    if not all(isinstance(layer, TreeMultiTokenPredictionLayer) for layer in layers):
+        errors.append(
+            f"MTP layers of type {type(layers[0]).__name__} (the forest forward needs "
+            "TreeMultiTokenPredictionLayer, from hybrid_stack_spec()'s mtp_block_spec)"
+        )
+    depths = config.mtp_num_layers
+    if depths is None or depths < 1:
+        errors.append(f"mtp_num_layers={depths} with MTP depths in hybrid_layer_pattern")
+    elif not config.mtp_use_repeated_layer and depths > len(layers):
+        errors.append(
+            f"mtp_num_layers={depths} with {len(layers)} MTP depths in hybrid_layer_pattern "
+            f"{model.hybrid_layer_pattern!r}"
+        )
+    unsupported = sorted(set(model.mtp_pattern) - SUPPORTED_LAYER_SYMBOLS)
+    if unsupported:
+        errors.append(f"MTP layers {unsupported} in hybrid_layer_pattern (supported: M, *, -, E)")
+    if (
+        Symbols.MOE in model.mtp_pattern
+        and config.expert_model_parallel_size > 1
+        and config.moe_token_dispatcher_type == "allgather"
+    ):
+        errors.append(
+            f"moe_token_dispatcher_type='allgather' with expert_model_parallel_size="
+            f"{config.expert_model_parallel_size} and MoE layers in the MTP depths (the dispatcher "
+            "stacks equal-length rows, and the MTP depths' rows differ in length between ranks; "
+            "use the alltoall dispatcher)"
         )
     return errors
 
@@ -108,10 +155,7 @@ def _layout_errors(model, layout: ForestLayout) -> list[str]:
             f"edge target {int(layout.edge_target.max())} >= vocab_size {model.vocab_size}"
         )
     config = model.config
-    tp_size = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    multiple = tp_size * (
-        2 * config.context_parallel_size if config.context_parallel_size > 1 else 1
-    )
+    multiple = row_length_multiple(config)
     if layout.num_tokens % multiple:
         errors.append(
             f"shared_prefix_layout of {layout.num_tokens} tokens with sequence_parallel="
@@ -181,6 +225,7 @@ def validate_forest_forward(model, layout: ForestLayout, **forward_args: Any) ->
         _config_errors(model.config)
         + moe_forest_errors(model.config)
         + _layer_errors(model)
+        + _mtp_errors(model)
         + moe_router_errors(model)
     )
     for name in (

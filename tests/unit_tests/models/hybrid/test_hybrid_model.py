@@ -164,7 +164,6 @@ CONFIG_REJECTIONS = {
     "cuda_graph_impl": "local",
     "fp8": "e4m3",
     "fp4": "e2m1",
-    "mtp_num_layers": 1,
 }
 
 
@@ -199,13 +198,6 @@ def test_rejects_parallel_settings_that_cannot_be_exact(build_model, forest_sequ
     with pytest.raises(ValueError, match="set_input_tensor"):
         model(None, None, None, shared_prefix_layout=layout)
     assert not calls
-
-
-def test_mtp_is_allowed_when_its_loss_is_disabled(build_model, forest_sequences):
-    model = build_model("*-", seed=0)
-    layout = plan_shared_prefix(forest_sequences(seed=0, depth=2), capacity=512).rows[0]
-    model.config.mtp_num_layers, model.config.mtp_loss_scaling_factor = 1, 0.0
-    assert model(None, None, None, shared_prefix_layout=layout).shape == (len(layout.edge_source),)
 
 
 @pytest.mark.parametrize(
