@@ -15,7 +15,9 @@ they mean the same:
 * ``model``: ``model.sharded_state_dict()``;
 * ``optimizer``: AdamW's two moments of every parameter, placed like the parameter
   (``optimizer.state.exp_avg.<parameter>``), and the step count, shared by all parameters;
-* ``opt_param_scheduler``, ``iteration``, ``checkpoint_version``;
+* ``opt_param_scheduler``, ``iteration``, ``checkpoint_version``, and ``args``: the run's flags of
+  plain values, which megatron.training reads from a checkpoint (it takes one without
+  ``hybrid_layer_pattern`` for a GPT checkpoint);
 * ``rng_state``: every rank's torch RNG state, restored only at the layout that saved it (as
   megatron.training ignores RNG state saved at another tensor/pipeline layout);
 * ``shared_prefix``: the model signature (the flags that shape the network, which must match on
@@ -30,6 +32,7 @@ single process.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -245,6 +248,21 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict) -> Non
             state[name].copy_(moments[name])
 
 
+def checkpoint_args(args: argparse.Namespace, consumed_samples: int) -> argparse.Namespace:
+    """The flags megatron.training stores as a checkpoint's ``args``: those of plain values (what
+    ``torch.load(weights_only=True)`` reads), with the consumed samples of this checkpoint."""
+    plain = (bool, int, float, str, type(None))
+    kept = {
+        name: value
+        for name, value in vars(args).items()
+        if isinstance(value, plain)
+        or (isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value))
+    }
+    kept["consumed_train_samples"] = consumed_samples
+    kept["skipped_train_samples"] = 0
+    return argparse.Namespace(**kept)
+
+
 def _rng_sharded_state():
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -266,6 +284,7 @@ def save_checkpoint(
     scheduler,
     signature: dict,
     layout: dict,
+    args: Optional[argparse.Namespace] = None,
     loss: float,
     grad_norm: float,
 ) -> str:
@@ -281,6 +300,7 @@ def save_checkpoint(
             then is the weights; loading starts a fresh optimizer and schedule).
         layout: the parallel sizes and world size of this run (stored; RNG state is restored only
             at the same layout).
+        args: the run's flags, stored for megatron.training (:func:`checkpoint_args`).
         loss, grad_norm: the last step's.
 
     Raises:
@@ -317,6 +337,8 @@ def save_checkpoint(
     }
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
+    if args is not None:
+        state["args"] = checkpoint_args(args, position.consumed_samples)
     dist_checkpointing.save(state, target)
     dist.barrier()
     if first:

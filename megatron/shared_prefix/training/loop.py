@@ -316,6 +316,7 @@ class _Trainer:
             else None
         )
         self.signature = model_signature(args)
+        self.args = args
         self.config = config
         self.device = device
         self.log = log
@@ -493,6 +494,7 @@ class _Trainer:
             scheduler=self.scheduler,
             signature=self.signature,
             layout=self.layout,
+            args=self.args,
             loss=loss,
             grad_norm=grad_norm,
         )

@@ -175,6 +175,13 @@ def test_tp2_sp_checkpoint_resumes_at_tp1(resumed):
     assert_follows(metrics["tp2_sp_to_tp1"], reference, 9, 5)
     header = read_header(directories["tp2_sp"], 8)
     assert header.layout["tensor"] == 2 and header.layout["sequence_parallel"]
+    # What megatron.training reads from a checkpoint's common state (weights_only unpickling).
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(header.root)
+    assert common["args"].hybrid_layer_pattern == "M*-E"
+    assert common["args"].tensor_model_parallel_size == 2
+    assert common["args"].consumed_train_samples == 64 and common["iteration"] == 8
     assert intact_iterations(directories["tp2_sp"]) == [8]
 
 
