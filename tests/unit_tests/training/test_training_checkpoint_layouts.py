@@ -6,7 +6,9 @@ iteration 4, runs at TP2 + SP, PP2, EP2 and CP2 (two processes each) resume; fro
 run's own iteration 8, a TP = 1 run (two data-parallel processes) resumes. Each resumed step's
 loss equals the uninterrupted run's: rel 1e-5 on the first resumed step (the restored weights,
 optimizer moments and data position; only reduction order differs) and 1e-3 on the next four.
-All runs share --train-iters (the schedule's length) and stop early with --exit-interval.
+All runs share --train-iters (the schedule's length) and stop early with --exit-interval. Also:
+Megatron's fine-tuning flags, --no-load-optim, the seed checkpoint of iteration 0, and a model
+with MTP depths saved at TP = 1 and resumed at TP2 + SP.
 """
 
 import json
@@ -85,7 +87,17 @@ def resumed(tmp_path_factory):
     ]
     done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    runs, directories = [], {"tp1": reference_dir}
+    # A model with two MTP depths: saved at TP1, resumed at TP2 + SP.
+    mtp_dir = str(tmp / "mtp_tp1")
+    mtp_flags = [*FLAGS, "--mtp-num-layers", "2", "--exit-interval", "6"]
+    command = [sys.executable, os.path.join(ROOT, "pretrain_hybrid.py"), *mtp_flags]
+    command += ["--save", mtp_dir, "--save-interval", "3"]
+    command += ["--shared-prefix-metrics-jsonl", str(tmp / "mtp_tp1.jsonl")]
+    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs, directories = [], {"tp1": reference_dir, "mtp_tp1": mtp_dir}
+    runs.append([*mtp_flags, *LAYOUTS["tp2_sp"], "--load", mtp_dir, "--ckpt-step", "3"])
+    runs[-1] += ["--shared-prefix-metrics-jsonl", str(tmp / "mtp_tp2_sp.jsonl")]
     for name, layout in LAYOUTS.items():
         directories[name] = str(tmp / name)
         runs.append(
@@ -145,7 +157,16 @@ def resumed(tmp_path_factory):
     ]
     done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    names = [*LAYOUTS, "tp2_sp_to_tp1", "ft", "pretrained", "noopt", "seed"]
+    names = [
+        *LAYOUTS,
+        "tp2_sp_to_tp1",
+        "ft",
+        "pretrained",
+        "noopt",
+        "seed",
+        "mtp_tp1",
+        "mtp_tp2_sp",
+    ]
     metrics = {name: records(tmp / f"{name}.jsonl") for name in names}
     return records(tmp / "tp1.jsonl"), metrics, directories
 
@@ -222,3 +243,15 @@ def test_seed_checkpoint_saved_at_pp2_starts_a_tp1_run(resumed):
     assert intact_iterations(directories["seed"]) == [0]
     assert read_header(directories["seed"], 0).layout["pipeline"] == 2
     assert_follows(metrics["seed"], reference, 1, 3)
+
+
+def test_checkpoint_with_mtp_depths_resumes_at_another_layout(resumed):
+    """The MTP layers' weights and moments reshard too: lm and mtp_k losses continue."""
+    _, metrics, _ = resumed
+    reference, mine = metrics["mtp_tp1"], metrics["mtp_tp2_sp"]
+    assert_follows(mine, reference, 4, 3)
+    for offset, iteration in enumerate(sorted(mine)):
+        tolerance = FIRST_STEP if offset == 0 else LATER_STEPS
+        expected = reference[iteration]["mtp_losses"]
+        assert len(expected) == 2
+        assert mine[iteration]["mtp_losses"] == pytest.approx(expected, rel=tolerance)
