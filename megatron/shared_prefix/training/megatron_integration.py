@@ -134,6 +134,11 @@ class StepMeter:
         device: device of the reduction buffer.
         context_group: the context-parallel group, whose ranks each hold part of a row's loss
             (None: no context parallelism).
+
+    With MTP depths the step's ``mtp_k loss`` is reported too, as megatron.training's log computes
+    it from MTPLossLoggingHelper (summed over context-parallel ranks, averaged over data-parallel
+    ranks, divided by the micro-batches): the helper's values are read after the step's last
+    micro-batch, before megatron.training's log clears them.
     """
 
     def __init__(
@@ -162,6 +167,8 @@ class StepMeter:
         self._step: Optional[StepBatch] = None
         self._step_start = 0.0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._micro_batches_seen = 0
+        self._mtp_values: Optional[torch.Tensor] = None
 
     @property
     def step(self) -> Optional[StepBatch]:
@@ -174,16 +181,39 @@ class StepMeter:
         self._step = step
         self._step_start = time.perf_counter()
         self._loss_sum.zero_()
+        self._micro_batches_seen = 0
+        self._mtp_values = None
 
     def add_loss(self, loss_sum: torch.Tensor) -> None:
-        """Add a micro-batch's weighted loss sum (detached) to the running step."""
+        """Add a micro-batch's weighted loss sum (detached) to the running step; after the step's
+        last micro-batch, keep the step's MTP values (:class:`StepMeter`)."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
         self._loss_sum += loss_sum.detach().to(self._loss_sum.device, torch.float64)
+        self._micro_batches_seen += 1
+        values = MTPLossLoggingHelper.tracker.get("loss_values")
+        if self._step is not None and self._micro_batches_seen == len(self._step.micro_batches):
+            if values is not None:
+                self._mtp_values = values.detach().to(self.device, torch.float64).clone()
+
+    def _mtp_losses(self, micro_batches: int) -> tuple[float, ...]:
+        """The step's ``mtp_k loss`` from the kept values (empty without MTP)."""
+        if self._mtp_values is None:
+            return ()
+        values = self._mtp_values
+        if self.context_group is not None and self.context_group.size() > 1:
+            torch.distributed.all_reduce(values, group=self.context_group)
+        if self.group is not None:
+            torch.distributed.all_reduce(values, group=self.group)
+            values = values / self.group.size()
+        return tuple(float(v) / max(micro_batches, 1) for v in values.tolist())
 
     def finish(self) -> None:
         """Reduce and report the running step, if any (at the next step's start and at the end)."""
         if self._step is None:
             return
         step, self._step = self._step, None
+        mtp_losses = self._mtp_losses(len(step.micro_batches))
         if self.context_group is not None and self.context_group.size() > 1:
             torch.distributed.all_reduce(self._loss_sum, group=self.context_group)
         totals = torch.stack(
@@ -223,6 +253,7 @@ class StepMeter:
                     micro_batches=int(micro_batches),
                     step_time_s=now - self._step_start,
                     elapsed_s=now - self._start,
+                    mtp_losses=mtp_losses,
                 )
             )
 

@@ -23,7 +23,11 @@ from megatron.shared_prefix.training.megatron_integration import (
     pad_rows,
 )
 from megatron.shared_prefix.training.metrics import MetricsWriter
-from megatron.shared_prefix.training.model import build_model, transformer_config
+from megatron.shared_prefix.training.model import (
+    build_model,
+    report_mtp_losses,
+    transformer_config,
+)
 
 CPU = torch.device("cpu")
 
@@ -36,6 +40,16 @@ def setup(flags, data_parallel_size):
     torch.manual_seed(0)
     model = build_model(args, transformer_config(args, portable=True))
     return config, config.data.load(), model
+
+
+class Written:
+    """A metrics writer that keeps what it is given."""
+
+    def __init__(self):
+        self.metrics = []
+
+    def write(self, metrics):
+        self.metrics.append(metrics)
 
 
 def meter_for(writer=None):
@@ -79,7 +93,8 @@ def test_megatron_reduction_equals_the_loop(megatron_world, packing, flags):
     loss_sum = units = 0.0
     for rank in range(2):
         session = MegatronSession(config, dataset, device=CPU)
-        session.meter = meter_for()
+        written = Written()
+        session.meter = meter_for(written)
         rows = RowIterator(
             ExampleStream(dataset, 8),
             config.batch,
@@ -101,10 +116,18 @@ def test_megatron_reduction_equals_the_loop(megatron_world, packing, flags):
             loss_sum += main_loss
             units += float(micro_units)
         assert not rows._pending  # exactly num_micro_batches micro-batches per step
+        session.meter.finish()
+        if "--mtp-num-layers" in flags:
+            # The JSONL's mtp_k loss is what megatron.training's log reports (which then clears
+            # the helper, as here).
+            logged = report_mtp_losses(2, num_micro_batches, 1)
+            assert len(logged) == 2 and min(logged) > 0
+            assert written.metrics[0].mtp_losses == pytest.approx(logged, rel=1e-6)
+        else:
+            assert written.metrics[0].mtp_losses == ()
     megatron_grads = [p.grad / units for p in model.parameters()]
     if "--mtp-num-layers" in flags:
         assert any(p.grad is not None for n, p in model.named_parameters() if n.startswith("mtp."))
-        assert MTPLossLoggingHelper.tracker["loss_values"].min() > 0
     MTPLossLoggingHelper.tracker.clear()
 
     model.zero_grad()
