@@ -6,6 +6,7 @@ module and the trainer once: forking the test process itself is not safe once au
 threads exist there.
 """
 
+import multiprocessing
 import os
 import signal
 import traceback
@@ -53,6 +54,10 @@ def train_and_kill(argv, point, iteration, cut):
 
 
 def _die():
+    # The whole job dies, as when a launcher kills its process group: megatron's distributed
+    # save runs a multiprocessing manager process, which would outlive a SIGKILL of this one.
+    for child in multiprocessing.active_children():
+        child.kill()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
