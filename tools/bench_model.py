@@ -39,7 +39,11 @@ step counts), the median of ``--repeats`` steps after two warm-up steps.
 
 Usage:
     python tools/bench_model.py [--patterns moe,nemotron] [--repeats 5] [--first-step moe]
-        [--write docs/benchmarks.md] [--json log.json] [--profile]
+        [--mtp-num-layers N [--mtp-pattern '*-']] [--write docs/benchmarks.md] [--json log.json]
+        [--profile]
+
+With ``--mtp-num-layers N`` every pattern gets N multi-token prediction depths (the cost of MTP:
+tree against packed dense, both with MTP on), written to a section of its own.
 """
 
 import argparse
@@ -63,6 +67,7 @@ from megatron.shared_prefix.layout import ForestLayout  # noqa: E402
 from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
 
 SECTION = "Whole model (tools/bench_model.py)"
+MTP_SECTION = "Whole model with MTP (tools/bench_model.py --mtp-num-layers)"
 
 # Layer patterns: attention + MoE heavy, and a Mamba-heavy Nemotron-H-like one (mostly M and -,
 # one attention layer in 13).
@@ -223,12 +228,14 @@ def padded_micro_batches(sequences, loss_masks, capacity):
 
 def model_config(pattern, hidden, heads, groups):
     """bf16 TransformerConfig of the benchmark model (8 experts, top-2; Mamba head dim 64,
-    state 128, 8 groups)."""
+    state 128, 8 groups); a pattern ``"<main>/<depth 1>/..."`` adds one MTP depth per ``/``."""
     from megatron.core.transformer import TransformerConfig
 
     moe = "E" in pattern
+    main = pattern.split("/")[0]
     return TransformerConfig(
-        num_layers=len(pattern),
+        num_layers=len(main),
+        mtp_num_layers=pattern.count("/") or None,
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
@@ -254,6 +261,12 @@ def model_config(pattern, hidden, heads, groups):
         # The padded baseline's fused Mamba path needs causal-conv1d; forests never take it.
         use_mamba_mem_eff_path=False,
     )
+
+
+def model_pattern(name, args):
+    """The hybrid_layer_pattern of ``PATTERNS[name]`` with ``args.mtp_num_layers`` MTP depths of
+    ``args.mtp_pattern`` each."""
+    return PATTERNS[name] + f"/{args.mtp_pattern}" * args.mtp_num_layers
 
 
 def build_model(pattern, args, device):
@@ -323,9 +336,13 @@ def timed(step, repeats, device, warmup=2):
 
 def component_times(model, rows, repeats, device):
     """(attention ms, output ms) of ``rows``: every attention layer's core attention and the output
-    layer + loss, forward+backward, on random inputs of the rows' shapes."""
+    layer + loss, forward+backward, on random inputs of the rows' shapes.
+
+    With MTP the output layer runs once more per depth, on the depth's row (the same edges, less
+    the first ones of each sequence): the output time counts the main row's once per depth too.
+    """
     from megatron.shared_prefix.attention.dot_product_attention import TreeDotProductAttention
-    from megatron.shared_prefix.models.hybrid.hybrid_model import _edge_loss
+    from megatron.shared_prefix.models.hybrid.hybrid_model import _edge_losses
     from megatron.shared_prefix.tensors import ForestTensors, forest_scope
 
     config = model.config
@@ -353,11 +370,11 @@ def component_times(model, rows, repeats, device):
 
         def project(hidden=hidden, forest=forest):
             with forest_scope(forest):
-                _edge_loss(model, hidden, forest).sum().backward()
+                _edge_losses(model, hidden, forest)[0].sum().backward()
 
         if attention_layers:
             attention += len(attention_layers) * timed(attend, repeats, device)[0]
-        output += timed(project, repeats, device)[0]
+        output += (1 + (config.mtp_num_layers or 0)) * timed(project, repeats, device)[0]
     return attention, output
 
 
@@ -465,7 +482,7 @@ def first_step_child(pattern, args):
 
     times = {"imports_s": time.perf_counter() - _PROCESS_START}
     init_single_process("cuda")
-    model = build_model(PATTERNS[pattern], args, "cuda")
+    model = build_model(model_pattern(pattern, args), args, "cuda")
     torch.cuda.synchronize()
     times["model_built_s"] = time.perf_counter() - _PROCESS_START
     sequences, masks = batches()["GRPO star P=4096, C=1024, G=16"]
@@ -503,7 +520,8 @@ def first_steps(pattern, args):
     results = {}
     for label in ("cold", "warm"):
         command = [sys.executable, os.path.abspath(__file__), "--first-step-child", pattern]
-        command += ["--capacity", str(args.capacity)]
+        command += ["--capacity", str(args.capacity), "--mtp-num-layers", str(args.mtp_num_layers)]
+        command += ["--mtp-pattern", args.mtp_pattern]
         child = subprocess.run(
             command, env=env, check=False, capture_output=True, text=True, timeout=900
         )
@@ -518,8 +536,16 @@ def first_steps(pattern, args):
 
 def markdown(tables, first, command, args):
     """The benchmark section: command, set-up, one table per pattern, first-step times."""
+    mtp = (
+        f" Multi-token prediction: {args.mtp_num_layers} depths of pattern "
+        f"`{args.mtp_pattern}`, each on its own forest row; the step includes their losses "
+        "(megatron-core's MTP loss scaling), and their output layers count as output in the "
+        "component ideal (timed as the main row's output layer)."
+        if args.mtp_num_layers
+        else ""
+    )
     lines = [
-        f"## {SECTION}",
+        f"## {MTP_SECTION if args.mtp_num_layers else SECTION}",
         "",
         f"Command: `{command}`",
         "",
@@ -536,13 +562,13 @@ def markdown(tables, first, command, args):
         "tokens per second. component ideal = dense / (token-wise / token ratio + attention / "
         "pair ratio + output), the packed dense step split into its measured attention "
         "(FlexAttention forward+backward at its row shapes), output layer + loss (same "
-        "targets: ratio 1) and the rest (dense shares column); tree token-wise / ideal and "
+        "targets: ratio 1; with MTP once per depth as well) and the rest (dense shares column); tree token-wise / ideal and "
         "tree attention / ideal apply the same split to the tree step. Peak: memory above "
-        "weights and gradients, and per 1K tokens of the longest row.",
+        "weights and gradients, and per 1K tokens of the longest row." + mtp,
         "",
     ]
     for pattern, rows in tables.items():
-        lines += [f"Pattern `{PATTERNS[pattern]}` ({pattern}):", ""]
+        lines += [f"Pattern `{model_pattern(pattern, args)}` ({pattern}):", ""]
         lines += markdown_table(rows) + [""]
     if first:
         lines += [
@@ -579,6 +605,10 @@ def main():
     parser.add_argument("--query-groups", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--capacity", type=int, default=32768, help="tokens per row")
+    parser.add_argument(
+        "--mtp-num-layers", type=int, default=0, help="multi-token prediction depths (0: none)"
+    )
+    parser.add_argument("--mtp-pattern", default="*-", help="layer pattern of each MTP depth")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-step", help="also time fresh processes of this pattern")
     parser.add_argument("--first-step-child", help=argparse.SUPPRESS)
@@ -600,7 +630,7 @@ def main():
                 json.dump(log, handle, indent=1)
 
     for pattern in args.patterns.split(","):
-        model = build_model(PATTERNS[pattern], args, "cuda")
+        model = build_model(model_pattern(pattern, args), args, "cuda")
         tables[pattern], log["patterns"][pattern] = [], []
         for name, (sequences, masks) in batches().items():
             record, timings = bench_batch(model, name, sequences, masks, args, "cuda")

@@ -343,6 +343,32 @@ class RunConfig:
             "--position-embedding-type learned_absolute no position may reach it; lower the "
             "capacity or raise --max-position-embeddings",
         )
+        # Checked for megatron.training too, whose scheduler would only assert the same rules
+        # after initialization (a sample-based schedule, with no --train-iters, is megatron's).
+        schedule = (
+            ScheduleConfig(
+                train_iters=args.train_iters,
+                lr=args.lr,
+                min_lr=args.min_lr,
+                lr_warmup_init=args.lr_warmup_init,
+                lr_warmup_iters=args.lr_warmup_iters,
+                lr_warmup_fraction=args.lr_warmup_fraction,
+                lr_decay_iters=args.lr_decay_iters,
+                lr_decay_style=args.lr_decay_style,
+                lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+                lr_wsd_decay_style=args.lr_wsd_decay_style,
+                weight_decay=args.weight_decay,
+                start_weight_decay=args.start_weight_decay,
+                end_weight_decay=args.end_weight_decay,
+                weight_decay_incr_style=args.weight_decay_incr_style,
+                adam_beta1=args.adam_beta1,
+                adam_beta2=args.adam_beta2,
+                adam_eps=args.adam_eps,
+                clip_grad=args.clip_grad,
+            )
+            if trainer == "loop" or args.train_iters is not None
+            else None
+        )
         text = _text_config(args, data_parallel_size)
         return cls(
             trainer=trainer,
@@ -363,30 +389,7 @@ class RunConfig:
                 data_parallel_size=data_parallel_size,
                 pad_multiple=row_pad_multiple(args, capacity),
             ),
-            schedule=(
-                ScheduleConfig(
-                    train_iters=args.train_iters,
-                    lr=args.lr,
-                    min_lr=args.min_lr,
-                    lr_warmup_init=args.lr_warmup_init,
-                    lr_warmup_iters=args.lr_warmup_iters,
-                    lr_warmup_fraction=args.lr_warmup_fraction,
-                    lr_decay_iters=args.lr_decay_iters,
-                    lr_decay_style=args.lr_decay_style,
-                    lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-                    lr_wsd_decay_style=args.lr_wsd_decay_style,
-                    weight_decay=args.weight_decay,
-                    start_weight_decay=args.start_weight_decay,
-                    end_weight_decay=args.end_weight_decay,
-                    weight_decay_incr_style=args.weight_decay_incr_style,
-                    adam_beta1=args.adam_beta1,
-                    adam_beta2=args.adam_beta2,
-                    adam_eps=args.adam_eps,
-                    clip_grad=args.clip_grad,
-                )
-                if trainer == "loop"
-                else None
-            ),
+            schedule=schedule if trainer == "loop" else None,
             logging=LoggingConfig(
                 log_interval=args.log_interval,
                 metrics_jsonl=args.shared_prefix_metrics_jsonl or None,

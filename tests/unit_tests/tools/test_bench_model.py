@@ -111,3 +111,38 @@ def test_attention_pairs_count_root_paths(tool):
     plan = plan_shared_prefix([[1, 2, 3, 4], [1, 2, 5]], capacity=16, pad_multiple=8)
     # Prefix [1, 2] once (1 + 2 pairs), then 3: 3 + 4 pairs, and 5: 3 pairs.
     assert tool.attention_pairs(plan.rows) == 1 + 2 + 3 + 4 + 3
+
+
+def test_mtp_option_builds_the_mtp_model(tool, megatron_world):
+    """--mtp-num-layers N appends N depths of --mtp-pattern, and the model trains them: a forest
+    step's gradient reaches the MTP layers."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=2, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=128
+    )
+    pattern = tool.model_pattern("moe", args)
+    assert pattern == tool.PATTERNS["moe"] + "/*-/*-"
+    config = tool.model_config(pattern, 256, 4, 2)
+    assert config.num_layers == len(tool.PATTERNS["moe"]) and config.mtp_num_layers == 2
+    assert tool.model_config(tool.PATTERNS["moe"], 256, 4, 2).mtp_num_layers is None
+    model = tool.build_model("M*/*-", args, "cpu")
+    sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]]
+    masks = [np.arange(len(s)) >= 2 for s in sequences]
+    tool.forest_step(model, plan_shared_prefix(sequences, masks, capacity=16).rows)()
+    mtp_grads = [p.grad for name, p in model.named_parameters() if name.startswith("mtp.")]
+    assert mtp_grads and all(g is not None and g.abs().sum() > 0 for g in mtp_grads)
+
+
+def test_component_times_run_every_component(tool, megatron_world):
+    """The attention and output-layer timings run (on CPU here) on rows of the model."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=0, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=128
+    )
+    model = tool.build_model("M*", args, "cpu")
+    sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]]
+    rows = plan_shared_prefix(sequences, capacity=16).rows
+    attention, output = tool.component_times(model, rows, repeats=1, device="cpu")
+    assert attention > 0 and output > 0

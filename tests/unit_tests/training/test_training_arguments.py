@@ -172,3 +172,18 @@ def test_experts_not_divisible_by_expert_parallelism_are_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="--num-experts 4 is not divisible by --expert-model"):
         parse_arguments(["--expert-model-parallel-size", "3", "--global-batch-size", "12"])
+
+
+@pytest.mark.parametrize("trainer", ["megatron", "loop"])
+def test_a_schedule_megatron_would_assert_on_is_named_for_both_trainers(trainer):
+    """megatron.training's scheduler asserts warmup < decay only after initializing; the flags
+    are named before anything is built, as the loop names them."""
+    from megatron.shared_prefix.training.config import ConfigError, RunConfig
+
+    args = parse_arguments(["--train-iters", "3"])  # the preset warms up for 10 iterations
+    with pytest.raises(ConfigError, match="--lr-warmup-iters 10 must be below the decay length 3"):
+        RunConfig.from_args(args, trainer=trainer)
+    args = parse_arguments(["--train-iters", "3", "--lr-warmup-iters", "1"])
+    schedule = RunConfig.from_args(args, trainer=trainer).schedule
+    # megatron.training builds its own scheduler from the same flags.
+    assert schedule is None if trainer == "megatron" else schedule.lr_warmup_iters == 1
