@@ -37,6 +37,19 @@ H200 (the dense baseline of docs/benchmarks.md runs on it), so a tree could be s
 cuDNN calls merged by log-sum-exp; but its backward is not reproducible bitwise (measured on the
 H200 with torch 2.11: dq differed between four identical runs, for [1, 32, 16384, 128] queries over
 4096 keys and for a causal [16, 32, 5120, 128] batch), which the determinism gate does not allow.
+
+Not used either: the same split on PyTorch's flash attention (``_flash_attention_forward`` /
+``_backward``, varlen), whose backward is reproducible under deterministic algorithms. A star is two
+calls, completions over the prompt (non-causal) and every segment causally over itself, merged by
+log-sum-exp, each backward given the merged output and log-sum-exp. Measured on the H200
+(2026-12-01, torch 2.11, bf16, 32 heads x 128, 8 key/value groups, forward+backward): star P=2048,
+C=2048, G=8 (18432 tokens) 12.0 ms, 16.5 ms with deterministic algorithms on, against 9.0 ms here;
+star P=4096, C=1024, G=16 18.0 / 26.3 ms (12.4 ms here, docs/benchmarks.md). PyTorch's flash is
+FlashAttention 2, which on an H200 ran the dense causal batch of the first star 1.8x slower than
+cuDNN (14.2 against 7.9 ms). Its varlen calls take empty segments (output 0, log-sum-exp +inf), but
+leave the key gradients past the last key segment unwritten. FlexAttention's own block sizes
+changed little on the first star (forward tiles of 128 x 128 with 8 warps: 8.9 against 9.0 ms;
+backward tiles 64/128 with 8 warps: 9.0; 32/128 with 4 warps: 23.3).
 """
 
 import torch
