@@ -157,6 +157,11 @@ CASES = {
     "cp2_mtp": Case("*M-", cp=2, seed=24, mtp="M*", depths=2, replay=True),
     "cp2_mtp_megatron": Case("M*-", cp=2, seed=25, mtp="*M", depths=2, mtp_path="megatron"),
     "pp2_mtp": Case("M*|-M", pp=2, dispatcher="alltoall", seed=26, mtp="M*", depths=1),
+    # Tied embeddings: the last stage's MTP depths read the embedding of its output-layer copy,
+    # whose gradient megatron sums with the first stage's.
+    "pp2_mtp_tied": Case(
+        "*M|M-", pp=2, tied=True, dispatcher="alltoall", seed=29, mtp="*M", depths=2
+    ),
     "cp2_tp2_sp_mtp": Case("*M-", tp=2, sp=True, cp=2, seed=27, mtp="*M", depths=2),
     # MoE in the MTP depths (alltoall: the depths' rows differ in length between EP ranks). No
     # load-balancing loss: the padded dense reference marks a depth's end positions as padding.

@@ -38,6 +38,7 @@ JOBS = {
         "cp2_mtp",
         "cp2_mtp_megatron",
         "pp2_mtp",
+        "pp2_mtp_tied",
         "ep2_mtp_alltoall",
         "reject_ep2_allgather_unequal_rows",
     ],
