@@ -290,6 +290,24 @@ def precompile_lengths(max_tokens: int, mode: str) -> tuple[tuple[int, ...], int
     return static, DYNAMIC_WARMUP_TOKENS
 
 
+def warmup_row(num_tokens, num_heads, num_groups, head_dim, *, dtype, device, requires_grad=True):
+    """(forest, query, key, value) that ``precompile`` runs at ``num_tokens``: a one-sequence row
+    and random contiguous [T, 1, heads | groups, head_dim] inputs, the strides tree_attention
+    hands every kernel; ``requires_grad`` as in a training forward (Dynamo guards on it too: a
+    forward without autograd gets inputs that do not require grad)."""
+    from megatron.shared_prefix.planning import plan_shared_prefix
+
+    row = plan_shared_prefix([np.zeros(num_tokens, dtype=np.int64)], capacity=num_tokens)
+    generator = torch.Generator(device=device).manual_seed(num_tokens)
+    inputs = (
+        torch.randn(
+            num_tokens, 1, heads, head_dim, generator=generator, device=device, dtype=dtype
+        ).requires_grad_(requires_grad)
+        for heads in (num_heads, num_groups, num_groups)
+    )
+    return (ForestTensors.from_layout(row.rows[0], device), *inputs)
+
+
 def precompile(
     max_tokens: int,
     *,
@@ -319,25 +337,23 @@ def precompile(
         The lengths compiled, static ones first.
     """
     global _precompiled_static_lengths  # pylint: disable=global-statement
-    from megatron.shared_prefix.planning import plan_shared_prefix
-
     static, dynamic = precompile_lengths(max_tokens, mode)
     compiled = static + (dynamic,)
-    generator = torch.Generator(device=device).manual_seed(0)
     # Static kernels only for ``static`` from the first call on, so the dynamic length compiles
     # the dynamic-shape kernel.
     _precompiled_static_lengths = frozenset(static)
     for num_tokens in compiled:
-        row = plan_shared_prefix([np.zeros(num_tokens, dtype=np.int64)], capacity=num_tokens)
-        forest = ForestTensors.from_layout(row.rows[0], device)
-        query, key, value = (
-            torch.randn(
-                num_tokens, 1, heads, head_dim, generator=generator, device=device, dtype=dtype
-            ).requires_grad_()
-            for heads in (num_heads, num_groups, num_groups)
+        forest, query, key, value = warmup_row(
+            num_tokens, num_heads, num_groups, head_dim, dtype=dtype, device=device
         )
         tree_attention(query, key, value, forest, softmax_scale=softmax_scale).sum().backward()
         if no_grad_forward:
             with torch.no_grad():
-                tree_attention(query, key, value, forest, softmax_scale=softmax_scale)
+                tree_attention(
+                    query.detach(),
+                    key.detach(),
+                    value.detach(),
+                    forest,
+                    softmax_scale=softmax_scale,
+                )
     return compiled

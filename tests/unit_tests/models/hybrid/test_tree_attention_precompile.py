@@ -88,3 +88,57 @@ def test_precompile_tree_attention_compiles_each_signature_once(megatron_world, 
         recomputing, 512, mode="dynamic", dtype="bf16", device="cpu"
     )
     assert calls[0][1]["no_grad_forward"] and calls[0][1]["mode"] == "dynamic"
+
+
+def test_precompiled_kernel_serves_the_models_rows(megatron_world, monkeypatch):
+    """A static kernel compiled on precompile's inputs (``warmup_row``) is the one the model's
+    forward then runs at that length: Dynamo compiles no new graph. megatron-core's value is a
+    strided view into the fused QKV projection, and a static compile is specialized on strides,
+    so this fails unless tree_attention hands every kernel contiguous inputs.
+
+    On CPU (FlexAttention has no CPU backward): forward only, through Dynamo's eager backend, which
+    guards and recompiles exactly as the Inductor one does.
+    """
+    import numpy as np
+    from torch._dynamo.utils import counters
+
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+    from megatron.shared_prefix.planning import plan_shared_prefix
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(
+        flex_backend,
+        "_compiled_kernels",
+        {True: torch.compile(flex_backend._flex_attention_rows, dynamic=False, backend="eager")},
+    )
+    model = SharedPrefixHybridModel(
+        tiny_config(num_layers=2),
+        hybrid_stack_spec=hybrid_stack_spec(attention_backend="flex"),
+        vocab_size=64,
+        max_sequence_length=512,
+        hybrid_layer_pattern="*M",
+        position_embedding_type="rope",
+    )
+    (layer,) = attention_layers(model)
+    heads, groups, head_dim, scale = layer.kernel_signature()
+    num_tokens = 256
+    assert flex_backend.run_length(num_tokens) == (num_tokens, True)
+    with torch.no_grad(), torch._dynamo.config.patch(disable=False):
+        forest, query, key, value = flex_backend.warmup_row(
+            num_tokens,
+            heads,
+            groups,
+            head_dim,
+            dtype=torch.float32,
+            device="cpu",
+            requires_grad=False,
+        )
+        flex_backend.tree_attention(query, key, value, forest, softmax_scale=scale)
+        graphs = counters["stats"]["unique_graphs"]
+        rng = np.random.default_rng(0)
+        sequences = [rng.integers(1, 64, 200).tolist(), rng.integers(1, 64, 56).tolist()]
+        row = plan_shared_prefix(sequences, capacity=num_tokens, pad_multiple=num_tokens).rows[0]
+        assert row.num_tokens == num_tokens
+        model(None, None, None, shared_prefix_layout=row)
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
