@@ -68,6 +68,7 @@ from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
 
 SECTION = "Whole model (tools/bench_model.py)"
 MTP_SECTION = "Whole model with MTP (tools/bench_model.py --mtp-num-layers)"
+FIRST_STEP_SECTION = "Whole model: first step and compilation (tools/bench_model.py --first-step)"
 
 # Layer patterns: attention + MoE heavy, and a Mamba-heavy Nemotron-H-like one (mostly M and -,
 # one attention layer in 13).
@@ -475,9 +476,17 @@ def profile_step(model, rows, device, label):
     print(f"host synchronizations and copies per step: {syncs}")
 
 
+# New row lengths of the first-step measurement: (key, completion length of a GRPO star of a
+# 4096-token prompt and 16 completions). 20096 and 20352 tokens run the dynamic-shape attention
+# kernel; 24576 is a bucket, a static kernel of its own.
+NEW_LENGTHS = (("new_length", 1000), ("second_new_length", 1010), ("new_bucket_length", 1280))
+
+
 def first_step_child(pattern, args):
-    """Run in a fresh process: seconds from process start to imports, model build, the first
-    step, and the first and second steps at new row lengths (as extra seconds over a warm step)."""
+    """Run in a fresh process: seconds from process start to imports, model build, the
+    ``--first-step-precompile`` of the attention kernels, the first step, and the first steps at
+    new row lengths (as extra seconds over the same step repeated)."""
+    from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
     from megatron.shared_prefix.training.distributed import init_single_process
 
     times = {"imports_s": time.perf_counter() - _PROCESS_START}
@@ -485,12 +494,22 @@ def first_step_child(pattern, args):
     model = build_model(model_pattern(pattern, args), args, "cuda")
     torch.cuda.synchronize()
     times["model_built_s"] = time.perf_counter() - _PROCESS_START
+    if args.first_step_precompile != "off":
+        precompile_tree_attention(
+            model,
+            args.capacity,
+            mode=args.first_step_precompile,
+            dtype=model.config.params_dtype,
+            device="cuda",
+        )
+        torch.cuda.synchronize()
+    times["precompiled_s"] = time.perf_counter() - _PROCESS_START
     sequences, masks = batches()["GRPO star P=4096, C=1024, G=16"]
     rows = plan_shared_prefix(sequences, masks, capacity=args.capacity, pad_multiple=128).rows
     forest_step(model, rows)()
     torch.cuda.synchronize()
     times["first_step_done_s"] = time.perf_counter() - _PROCESS_START
-    for key, completion in (("new_length", 1000), ("second_new_length", 1010)):
+    for key, completion in NEW_LENGTHS:
         new_sequences = star(4096, [completion] * 16, seed=3)
         new_masks = [np.arange(len(s)) >= 4096 for s in new_sequences]
         new_rows = plan_shared_prefix(
@@ -510,7 +529,15 @@ def first_step_child(pattern, args):
 
 
 def first_steps(pattern, args):
-    """Cold- and warm-cache first-step times of ``pattern`` in fresh processes."""
+    """Cold- and warm-cache first-step times of ``pattern`` in fresh processes, for each mode of
+    ``--first-step-precompile`` (caches of their own per mode)."""
+    results = {}
+    for mode in args.first_step_precompile.split(","):
+        results.update(_first_steps(pattern, mode, args))
+    return results
+
+
+def _first_steps(pattern, mode, args):
     cache = tempfile.mkdtemp(prefix="bench_model_cache_")
     env = dict(
         os.environ,
@@ -518,10 +545,11 @@ def first_steps(pattern, args):
         TRITON_CACHE_DIR=os.path.join(cache, "triton"),
     )
     results = {}
-    for label in ("cold", "warm"):
+    for cache_state in ("cold", "warm"):
+        label = f"{cache_state}, precompile {mode}"
         command = [sys.executable, os.path.abspath(__file__), "--first-step-child", pattern]
         command += ["--capacity", str(args.capacity), "--mtp-num-layers", str(args.mtp_num_layers)]
-        command += ["--mtp-pattern", args.mtp_pattern]
+        command += ["--mtp-pattern", args.mtp_pattern, "--first-step-precompile", mode]
         child = subprocess.run(
             command, env=env, check=False, capture_output=True, text=True, timeout=900
         )
@@ -545,7 +573,7 @@ def markdown(tables, first, command, args):
         else ""
     )
     lines = [
-        f"## {MTP_SECTION if args.mtp_num_layers else SECTION}",
+        f"## {MTP_SECTION if args.mtp_num_layers else SECTION if tables else FIRST_STEP_SECTION}",
         "",
         f"Command: `{command}`",
         "",
@@ -574,21 +602,24 @@ def markdown(tables, first, command, args):
         lines += [
             "First step in a fresh process (`--first-step "
             f"{first['pattern']}`, GRPO star batch; seconds from process start; cold: empty "
-            "Inductor and Triton caches, warm: the caches of the cold run; new length: extra "
-            "seconds of the first step at row lengths not seen before, over the same step "
-            "repeated):",
+            "Inductor and Triton caches, warm: the caches of the cold run of the same mode; "
+            "precompile: `--shared-prefix-precompile` of the tree attention kernels for rows up "
+            f"to {args.capacity} tokens, done by precompiled_s; new lengths: extra seconds of the "
+            "first step at row lengths not seen before, over the same step repeated: 20096 and "
+            "20352 tokens (not buckets), then 24576 (a bucket)):",
             "",
         ]
         keys = (
             "imports_s",
             "model_built_s",
+            "precompiled_s",
             "first_step_done_s",
-            "new_length_extra_s",
-            "second_new_length_extra_s",
+            *(f"{key}_extra_s" for key, _ in NEW_LENGTHS),
         )
         first_rows = [
-            {"cache": label, **{key: first[label][key] for key in keys}}
-            for label in ("cold", "warm")
+            {"cache": label, **{key: values[key] for key in keys}}
+            for label, values in first.items()
+            if label != "pattern"
         ]
         lines += markdown_table(first_rows) + [""]
     return "\n".join(lines)
@@ -611,6 +642,12 @@ def main():
     parser.add_argument("--mtp-pattern", default="*-", help="layer pattern of each MTP depth")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-step", help="also time fresh processes of this pattern")
+    parser.add_argument(
+        "--first-step-precompile",
+        default="off",
+        help="comma-separated --shared-prefix-precompile modes of the first-step processes "
+        "(off, dynamic, buckets)",
+    )
     parser.add_argument("--first-step-child", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile one tree and dense step")
     parser.add_argument("--json", help="write every measurement here")
@@ -629,7 +666,7 @@ def main():
             with open(args.json, "w", encoding="utf-8") as handle:
                 json.dump(log, handle, indent=1)
 
-    for pattern in args.patterns.split(","):
+    for pattern in filter(None, args.patterns.split(",")):
         model = build_model(model_pattern(pattern, args), args, "cuda")
         tables[pattern], log["patterns"][pattern] = [], []
         for name, (sequences, masks) in batches().items():

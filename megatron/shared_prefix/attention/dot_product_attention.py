@@ -7,6 +7,7 @@ megatron-core's DotProductAttention.
 
 import copy
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -111,9 +112,7 @@ class TreeDotProductAttention(DotProductAttention):
             )
         if mask_type != AttnMaskType.causal:
             raise ValueError(f"tree attention needs a causal layer, got attn_mask_type={mask_type}")
-        scale = self.softmax_scale
-        if self.config.apply_query_key_layer_scaling:
-            scale *= self.layer_number
+        scale = self._tree_softmax_scale()
         use_flex = use_flex_attention(self.tree_backend, query.is_cuda, forest.num_tokens)
         backend = flex_backend if use_flex else torch_backend
         if self.cp_group.size() == 1:
@@ -124,6 +123,26 @@ class TreeDotProductAttention(DotProductAttention):
             ),
             self.cp_group,
         )
+
+    def _tree_softmax_scale(self) -> float:
+        """DotProductAttention's softmax scale, with the layer number that query-key layer scaling
+        divided out put back."""
+        scale = self.softmax_scale
+        if self.config.apply_query_key_layer_scaling:
+            scale *= self.layer_number
+        return scale
+
+    def kernel_signature(self) -> tuple[int, int, int, float]:
+        """(query heads, key/value groups, head dim, softmax scale) of the rows the tree backend
+        runs for this layer on this rank: the tensor-parallel rank's heads, and under context
+        parallelism ``1 / cp`` of them over the whole row (``_whole_row``)."""
+        heads = self.num_attention_heads_per_partition
+        groups = self.num_query_groups_per_partition
+        cp_size = self.cp_group.size()
+        if cp_size > 1:
+            groups = groups // cp_size if groups % cp_size == 0 else heads // cp_size
+            heads //= cp_size
+        return heads, groups, self.hidden_size_per_attention_head, self._tree_softmax_scale()
 
     def _whole_row(self, query, key, value):
         """This rank's tokens -> the whole row for its ``1 / cp`` of the heads.
@@ -143,3 +162,40 @@ class TreeDotProductAttention(DotProductAttention):
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
         return tuple(heads_to_whole_row(x, self.cp_group) for x in (query, key, value))
+
+
+def precompile_tree_attention(
+    model: torch.nn.Module,
+    max_tokens: int,
+    *,
+    mode: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[int, ...]:
+    """``flex_backend.precompile`` for every distinct ``kernel_signature`` of the model's tree
+    attention layers, rows of up to ``max_tokens`` tokens: every FlexAttention kernel of the run is
+    compiled before its first step (mode "dynamic": one dynamic-shape kernel per signature;
+    "buckets": a static kernel per bucket length as well). Forward without autograd is compiled
+    too when the model recomputes activations.
+
+    Returns:
+        The row lengths compiled (empty when the model has no attention layer).
+    """
+    signatures = sorted(
+        {m.kernel_signature() for m in model.modules() if isinstance(m, TreeDotProductAttention)}
+    )
+    recompute = getattr(model.config, "recompute_granularity", None) is not None
+    compiled = ()
+    for heads, groups, head_dim, scale in signatures:
+        compiled = flex_backend.precompile(
+            max_tokens,
+            mode=mode,
+            num_heads=heads,
+            num_groups=groups,
+            head_dim=head_dim,
+            softmax_scale=scale,
+            dtype=dtype,
+            device=device,
+            no_grad_forward=recompute,
+        )
+    return compiled

@@ -52,6 +52,7 @@ changed little on the first star (forward tiles of 128 x 128 with 8 warps: 8.9 a
 backward tiles 64/128 with 8 warps: 9.0; 32/128 with 4 warps: 23.3).
 """
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -60,11 +61,12 @@ from megatron.shared_prefix.tensors import ForestTensors
 BLOCK_SIZE = 128
 
 # Every bucket a run meets is one more static compile: one more Dynamo cache entry on the code of
-# _flex_attention_rows (per dtype, head shape and grad mode). Past
+# _flex_attention_rows (per dtype, head shape, softmax scale and grad mode). Past
 # torch._dynamo.config.recompile_limit (default 8) Dynamo would run flex_attention eagerly, which
 # materializes [T, T] scores and runs out of memory on long rows. With four buckets per octave,
-# all row lengths up to 2^20 tokens fall into 48 buckets.
-MAX_COMPILED_KERNELS = 64
+# all row lengths up to 2^20 tokens fall into 48 buckets, twice that with activation recompute
+# (forward without autograd as well).
+MAX_COMPILED_KERNELS = 128
 
 # The forward kernel loads its tiles with TMA (tensor memory accelerator) on Hopper and newer;
 # Inductor falls back to plain loads where the GPU or the inputs do not qualify. On an H200 this
@@ -115,6 +117,16 @@ def _flex_attention_rows_divisible(query, key, value, *, kernel_options, **kwarg
 
 
 _compiled_kernels = {}  # static: bool -> compiled callable, built on first use
+
+# The lengths that run a static kernel once ``precompile`` has run (a frozenset; None before: every
+# bucket compiles on first use). Every other length then runs the dynamic-shape kernel.
+_precompiled_static_lengths = None
+
+# The shortest row length that is not a bucket: ``precompile`` compiles the dynamic-shape kernel at
+# it (one compile serves every length).
+DYNAMIC_WARMUP_TOKENS = 9 * BLOCK_SIZE
+
+PRECOMPILE_MODES = ("off", "dynamic", "buckets")
 
 
 def _flex_attention_compiled(static: bool, *args, **kwargs):
@@ -255,11 +267,17 @@ def tree_attention(
             f"got {tuple(query.shape)}"
         )
     padded, static = run_length(num_tokens)
+    if _precompiled_static_lengths is not None:
+        static = padded in _precompiled_static_lengths
     block_mask = forest.derive(
         ("flex_block_mask", BLOCK_SIZE, padded),
         lambda: tree_block_mask(forest, num_tokens=padded),
     )
-    q, k, v = (_padded(t, padded) for t in (query, key, value))
+    # Contiguous: a static compile is specialized on strides, and megatron-core's value is a view
+    # into the fused QKV projection (query and key are fresh tensors after RoPE). One stride for
+    # every caller lets ``precompile``'s kernels serve the model's rows; the copy also frees the
+    # fused projection's output, which the view would keep alive until the backward.
+    q, k, v = (_padded(t.contiguous(), padded) for t in (query, key, value))
     options = {"block_mask": block_mask, "scale": softmax_scale}
     options["enable_gqa"] = key.shape[2] != num_heads
     if compiled:
@@ -268,3 +286,87 @@ def tree_attention(
         out = _flex_attention_rows(q, k, v, **options)
     # [T_run, 1, H * D] -> [T, 1, H * D]
     return _FirstTokens.apply(out, num_tokens) if padded > num_tokens else out
+
+
+def precompile_lengths(max_tokens: int, mode: str) -> tuple[tuple[int, ...], int]:
+    """(static lengths, dynamic length) that ``precompile`` compiles for rows of up to
+    ``max_tokens`` tokens: "buckets" every bucket up to ``run_length(max_tokens)``, "dynamic" none;
+    both the dynamic-shape kernel at DYNAMIC_WARMUP_TOKENS."""
+    if mode not in PRECOMPILE_MODES[1:]:
+        raise ValueError(f"precompile mode must be one of {PRECOMPILE_MODES[1:]}, got {mode!r}")
+    longest = run_length(max_tokens)[0]
+    static = ()
+    if mode == "buckets":
+        lengths = range(BLOCK_SIZE, longest + 1, BLOCK_SIZE)
+        static = tuple(length for length in lengths if bucket_length(length) == length)
+    assert bucket_length(DYNAMIC_WARMUP_TOKENS) != DYNAMIC_WARMUP_TOKENS
+    return static, DYNAMIC_WARMUP_TOKENS
+
+
+def warmup_row(num_tokens, num_heads, num_groups, head_dim, *, dtype, device, requires_grad=True):
+    """(forest, query, key, value) that ``precompile`` runs at ``num_tokens``: a one-sequence row
+    and random contiguous [T, 1, heads | groups, head_dim] inputs, the strides tree_attention
+    hands every kernel; ``requires_grad`` as in a training forward (Dynamo guards on it too: a
+    forward without autograd gets inputs that do not require grad)."""
+    from megatron.shared_prefix.planning import plan_shared_prefix
+
+    row = plan_shared_prefix([np.zeros(num_tokens, dtype=np.int64)], capacity=num_tokens)
+    generator = torch.Generator(device=device).manual_seed(num_tokens)
+    inputs = (
+        torch.randn(
+            num_tokens, 1, heads, head_dim, generator=generator, device=device, dtype=dtype
+        ).requires_grad_(requires_grad)
+        for heads in (num_heads, num_groups, num_groups)
+    )
+    return (ForestTensors.from_layout(row.rows[0], device), *inputs)
+
+
+def precompile(
+    max_tokens: int,
+    *,
+    mode: str,
+    num_heads: int,
+    num_groups: int,
+    head_dim: int,
+    softmax_scale: float,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    no_grad_forward: bool = False,
+) -> tuple[int, ...]:
+    """Compile, before training, every FlexAttention kernel that rows of up to ``max_tokens``
+    tokens will run, and run only those afterwards: no row length compiles during training.
+
+    Runs tree_attention forward and backward on a one-sequence row of random q, k, v at each
+    length of ``precompile_lengths(max_tokens, mode)`` (and, with ``no_grad_forward``, a forward
+    without autograd as activation recompute runs first). From then on a row whose length has no
+    static kernel compiled here runs the dynamic-shape one (2-5% slower than a static kernel,
+    flex_backend's docstring): with mode "dynamic" every row does, which costs one compile.
+    Kernels are specialized on the head shape, dtype and softmax scale, which must be the ones
+    the model's attention layers run with (``TreeDotProductAttention.kernel_signature``); the
+    compiled code lands in Inductor's and Triton's caches, shared by later runs that use the same
+    cache directories.
+
+    Returns:
+        The lengths compiled, static ones first.
+    """
+    global _precompiled_static_lengths  # pylint: disable=global-statement
+    static, dynamic = precompile_lengths(max_tokens, mode)
+    compiled = static + (dynamic,)
+    # Static kernels only for ``static`` from the first call on, so the dynamic length compiles
+    # the dynamic-shape kernel.
+    _precompiled_static_lengths = frozenset(static)
+    for num_tokens in compiled:
+        forest, query, key, value = warmup_row(
+            num_tokens, num_heads, num_groups, head_dim, dtype=dtype, device=device
+        )
+        tree_attention(query, key, value, forest, softmax_scale=softmax_scale).sum().backward()
+        if no_grad_forward:
+            with torch.no_grad():
+                tree_attention(
+                    query.detach(),
+                    key.detach(),
+                    value.detach(),
+                    forest,
+                    softmax_scale=softmax_scale,
+                )
+    return compiled

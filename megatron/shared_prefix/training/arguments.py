@@ -166,6 +166,17 @@ def add_shared_prefix_args(
         "(--tokenizer-type other than NullTokenizer).",
     )
     group.add_argument(
+        "--shared-prefix-precompile",
+        choices=("off", "dynamic", "buckets"),
+        default="off",
+        help="Compile the tree attention (FlexAttention) kernels before the first step, so that "
+        "no row length compiles during training: dynamic: one dynamic-shape kernel that every "
+        "row runs (one compile); buckets: also a static kernel, a few percent faster, for each of "
+        "the about four bucket lengths per octave up to the row capacity (one compile each; "
+        "kept in the Inductor and Triton caches for later runs); off (default): each bucket "
+        "length compiles when a row first has it.",
+    )
+    group.add_argument(
         "--shared-prefix-trainer",
         choices=TRAINERS,
         default="auto",

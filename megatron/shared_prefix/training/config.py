@@ -318,6 +318,7 @@ class RunConfig:
     schedule: Optional[ScheduleConfig]
     logging: LoggingConfig
     checkpoint: CheckpointConfig
+    precompile: str = "off"
 
     @classmethod
     def from_args(
@@ -407,7 +408,28 @@ class RunConfig:
                 load_rng=not args.no_load_rng,
                 exit_interval=args.exit_interval,
             ),
+            precompile=_precompile_mode(args, trainer),
         )
+
+
+def _precompile_mode(args: argparse.Namespace, trainer: str) -> str:
+    """``--shared-prefix-precompile``, refused where there is no tree attention kernel to compile."""
+    mode = args.shared_prefix_precompile
+    if mode == "off":
+        return mode
+    flag = f"--shared-prefix-precompile {mode}"
+    _require(
+        args.shared_prefix_packing,
+        f"{flag} with --no-shared-prefix-packing: dense micro-batches run no tree attention",
+    )
+    import torch
+
+    _require(
+        trainer == "megatron" or torch.cuda.is_available(),
+        f"{flag} needs CUDA: tree attention compiles FlexAttention kernels only there "
+        "(the CPU runs the torch backend, nothing to compile)",
+    )
+    return mode
 
 
 def row_pad_multiple(args: argparse.Namespace, capacity: int) -> int:

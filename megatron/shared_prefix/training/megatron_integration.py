@@ -61,6 +61,7 @@ from megatron.shared_prefix.training.model import (
     forward_micro_batch,
     micro_batch_units,
     mtp_loss_sum,
+    precompile_attention,
     record_mtp_metrics,
     weighted_loss_sum,
 )
@@ -324,6 +325,7 @@ class MegatronSession:
         self.dataset = dataset
         self._device = device
         self.meter: Optional[StepMeter] = None
+        self._precompiled = False
 
     @property
     def device(self) -> torch.device:
@@ -340,7 +342,7 @@ class MegatronSession:
         from megatron.training.arguments import core_transformer_config_from_args
 
         args = get_args()
-        return build_model(
+        model = build_model(
             args,
             config if config is not None else core_transformer_config_from_args(args),
             pre_process=pre_process,
@@ -348,6 +350,13 @@ class MegatronSession:
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
+        if not self._precompiled:
+            # Once per process: a model of virtual pipeline stages is built a chunk at a time.
+            from megatron.training.utils import print_rank_0
+
+            precompile_attention(model, self.config, self.device, print_rank_0)
+            self._precompiled = True
+        return model
 
     def datasets_provider(self, _num_samples):
         """Megatron datasets provider: the row iterator for training, no validation or test data.

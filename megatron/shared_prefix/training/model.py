@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 from typing import Optional
 
 import numpy as np
@@ -35,6 +36,7 @@ from megatron.shared_prefix.training.batching import (
 __all__ = [
     "transformer_config",
     "build_model",
+    "precompile_attention",
     "forward_micro_batch",
     "weighted_loss_sum",
     "mtp_loss_sum",
@@ -110,6 +112,33 @@ def build_model(
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
+    )
+
+
+def precompile_attention(model: torch.nn.Module, config, device: torch.device, log) -> None:
+    """``--shared-prefix-precompile``: compile the model's tree attention kernels for rows up to
+    the row capacity before the first step (``precompile_tree_attention``), and log what it took.
+
+    Args:
+        config: the run's RunConfig (its ``precompile`` mode and row capacity).
+        log: where the one-line report goes.
+    """
+    from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
+
+    if config.precompile == "off":
+        return
+    start = time.perf_counter()
+    lengths = precompile_tree_attention(
+        model,
+        config.batch.capacity,
+        mode=config.precompile,
+        dtype=model.config.params_dtype,
+        device=device,
+    )
+    log(
+        f"[shared-prefix] precompiled tree attention ({config.precompile}): kernels for "
+        f"{len(lengths)} row lengths, rows up to {config.batch.capacity} tokens, in "
+        f"{time.perf_counter() - start:.1f} s"
     )
 
 

@@ -252,3 +252,112 @@ def test_auto_backend_uses_flex_for_cuda_rows_of_a_tile_or_more():
     assert not use_flex_attention("auto", True, 1)
     assert not use_flex_attention("auto", False, 10 * tile)
     assert use_flex_attention("flex", True, 1) and not use_flex_attention("torch", True, 10 * tile)
+
+
+def test_precompile_lengths():
+    """ "buckets": every bucket up to the capacity's run length; both modes: one dynamic length."""
+    static, dynamic = flex_backend.precompile_lengths(20000, "buckets")
+    block = flex_backend.BLOCK_SIZE
+    assert static == tuple(
+        n for n in range(block, 20096 + 1, block) if flex_backend.bucket_length(n) == n
+    )
+    # Rows of up to 20000 tokens run at up to 20096 tokens: 16384 is the last bucket they reach.
+    assert static[:3] == (128, 256, 384) and static[-1] == 16384
+    assert not flex_backend.run_length(dynamic)[1]
+    assert flex_backend.precompile_lengths(20000, "dynamic") == ((), dynamic)
+    with pytest.raises(ValueError, match="precompile mode"):
+        flex_backend.precompile_lengths(20000, "off")
+
+
+@pytest.fixture
+def recorded_kernels(monkeypatch):
+    """Replaces the compiled kernels by a recorder of (static, row length, autograd on) that
+    returns a differentiable stand-in, and restores the precompiled lengths afterwards."""
+    calls = []
+
+    def kernel(static, query, key, value, **_):
+        calls.append((static, query.shape[0], torch.is_grad_enabled()))
+        return (query * 1.0).reshape(query.shape[0], 1, -1)
+
+    monkeypatch.setattr(flex_backend, "_flex_attention_compiled", kernel)
+    monkeypatch.setattr(flex_backend, "_precompiled_static_lengths", None)
+    return calls
+
+
+def test_precompile_runs_every_kernel_then_only_those(recorded_kernels, forest_sequences):
+    compiled = flex_backend.precompile(
+        3000,
+        mode="buckets",
+        num_heads=4,
+        num_groups=2,
+        head_dim=8,
+        softmax_scale=0.3,
+        dtype=torch.float32,
+        device="cpu",
+        no_grad_forward=True,
+    )
+    static, dynamic = flex_backend.precompile_lengths(3000, "buckets")
+    assert static[-3:] == (2048, 2560, 3072)
+    assert compiled == static + (dynamic,)
+    expected = [(True, n, grad) for n in static for grad in (True, False)]
+    assert recorded_kernels == expected + [(False, dynamic, True), (False, dynamic, False)]
+    # After it: lengths it compiled run their static kernel (2560; 2500 runs at 2560 too), every
+    # other length the dynamic one: 2304 is no bucket, 20480 is one beyond the capacity.
+    recorded_kernels.clear()
+    for num_tokens in (2560, 2500, 2304, 20480):
+        forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
+        flex_backend.tree_attention(*cpu_qkv(num_tokens, seed=0), forest, softmax_scale=0.3)
+    assert recorded_kernels == [
+        (True, 2560, True),
+        (True, 2560, True),
+        (False, 2304, True),
+        (False, 20480, True),
+    ]
+
+
+def test_precompile_dynamic_leaves_every_row_to_the_dynamic_kernel(
+    recorded_kernels, forest_sequences
+):
+    flex_backend.precompile(
+        4096,
+        mode="dynamic",
+        num_heads=4,
+        num_groups=2,
+        head_dim=8,
+        softmax_scale=0.3,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    assert recorded_kernels == [(False, flex_backend.DYNAMIC_WARMUP_TOKENS, True)]
+    recorded_kernels.clear()
+    forest = ForestTensors.from_layout(row_layout(forest_sequences, 2048), "cpu")
+    flex_backend.tree_attention(*cpu_qkv(2048, seed=0), forest, softmax_scale=0.3)
+    assert recorded_kernels == [(False, 2048, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_precompiled_kernels_leave_nothing_to_compile(forest_sequences, monkeypatch):
+    """After precompile, rows of any length up to the capacity (and beyond it) compile nothing."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(flex_backend, "_precompiled_static_lengths", None)
+    flex_backend.precompile(
+        2048,
+        mode="buckets",
+        num_heads=4,
+        num_groups=2,
+        head_dim=64,
+        softmax_scale=0.125,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    graphs = counters["stats"]["unique_graphs"]
+    for num_tokens in (130, 640, 1000, 1280, 2048, 3000):
+        forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cuda")
+        query, key, value = (
+            torch.randn(num_tokens, 1, h, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for h in (4, 2, 2)
+        )
+        flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.125).sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs

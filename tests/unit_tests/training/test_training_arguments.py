@@ -187,3 +187,20 @@ def test_a_schedule_megatron_would_assert_on_is_named_for_both_trainers(trainer)
     schedule = RunConfig.from_args(args, trainer=trainer).schedule
     # megatron.training builds its own scheduler from the same flags.
     assert schedule is None if trainer == "megatron" else schedule.lr_warmup_iters == 1
+
+
+def test_precompile_flag_is_refused_where_nothing_compiles(monkeypatch):
+    """--shared-prefix-precompile needs tree attention on CUDA; off (the default) runs anywhere."""
+    import torch
+
+    from megatron.shared_prefix.training.config import ConfigError, RunConfig
+
+    assert RunConfig.from_args(parse_arguments([]), trainer="loop").precompile == "off"
+    args = parse_arguments(["--shared-prefix-precompile", "dynamic", "--no-shared-prefix-packing"])
+    with pytest.raises(ConfigError, match="dynamic with --no-shared-prefix-packing"):
+        RunConfig.from_args(args, trainer="megatron")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = parse_arguments(["--shared-prefix-precompile", "buckets"])
+    with pytest.raises(ConfigError, match="--shared-prefix-precompile buckets needs CUDA"):
+        RunConfig.from_args(args, trainer="loop")
+    assert RunConfig.from_args(args, trainer="megatron").precompile == "buckets"

@@ -75,9 +75,9 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
     pageable copy, ``.cpu()`` or ``nonzero`` would drain the GPU queue inside the forward), and the
     copies hold the host values."""
     from megatron.shared_prefix.moe.statistics import ForestRoutingTables
-    from megatron.shared_prefix.tensors import ForestTensors
     from megatron.shared_prefix.ssm.tree_conv import _fixup_windows
     from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan
+    from megatron.shared_prefix.tensors import ForestTensors
 
     layout = plan_shared_prefix(forest_sequences(seed=14, depth=4), capacity=512).rows[0]
     busy = torch.randn(4096, 4096, device="cuda")
