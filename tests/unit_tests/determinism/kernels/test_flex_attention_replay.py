@@ -7,8 +7,9 @@ every run so that the block mask (cached on the forest) is replayed too. On CPU,
 no backward, its eager forward needs Dynamo (which tests/conftest.py turns off for speed), and
 training uses torch_backend instead, so the CPU test replays the part of this file that runs on
 any device: the block-mask construction, for the row's own length and padded to a longer one. On GPU
-three rows are replayed: one padded to a multiple of 128 tokens and one that is a multiple
-already (both on the dynamic-shape kernel), and one whose length is a bucket (the static kernel).
+four rows are replayed: one padded to a multiple of 128 tokens and one that is a multiple
+already (both on the dynamic-shape kernel), and one whose length is a bucket (the static kernel),
+the last also with a value that is a strided view into a wider tensor, as megatron-core's is.
 Which kernel runs, and the forward's kernel options (``flex_backend.KERNEL_OPTIONS``: TMA loads),
 are speed choices only: GPU tests check that they give bitwise the same results.
 """
@@ -61,25 +62,35 @@ def test_flex_block_mask_replay_cpu(forest_sequences, padding):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "num_tokens, expected_run",
-    [(4500, (4608, False)), (4608, (4608, False)), (5120, (5120, True))],
-    ids=["padded-dynamic-kernel", "dynamic-kernel", "static-kernel"],
+    "num_tokens, expected_run, fused_value",
+    [
+        (4500, (4608, False), False),
+        (4608, (4608, False), False),
+        (5120, (5120, True), False),
+        (5120, (5120, True), True),
+    ],
+    ids=["padded-dynamic-kernel", "dynamic-kernel", "static-kernel", "static-kernel-fused-value"],
 )
-def test_flex_tree_attention_replay_gpu(forest_sequences, num_tokens, expected_run):
+def test_flex_tree_attention_replay_gpu(forest_sequences, num_tokens, expected_run, fused_value):
+    """``fused_value``: the value is a strided view into a larger projection output, as
+    megatron-core's is (tree_attention copies it contiguous before the kernel)."""
     # Long segments, so rows span many 128-token blocks and the backward reduces across them.
     sequences = forest_sequences(seed=3, depth=3, max_segment=300)
     assert flex_backend.run_length(num_tokens) == expected_run
 
     def make_inputs():
         layout = plan_shared_prefix(sequences, capacity=num_tokens, pad_multiple=num_tokens).rows[0]
-        # 8 query heads sharing 2 key/value heads, as with GQA in training.
+        # 8 query heads sharing 2 key/value heads, as with GQA in training; a fused value source
+        # holds 3 heads' width per group, the value the last 64.
         qkv = (
-            torch.randn(layout.num_tokens, 1, heads, 64, device="cuda", dtype=torch.bfloat16)
-            for heads in (8, 2, 2)
+            torch.randn(layout.num_tokens, 1, heads, width, device="cuda", dtype=torch.bfloat16)
+            for heads, width in ((8, 64), (2, 64), (2, 192 if fused_value else 64))
         )
         return (*(t.requires_grad_() for t in qkv), ForestTensors.from_layout(layout, "cuda"))
 
     def fn(query, key, value, forest):
+        value = value[..., -64:]
+        assert value.is_contiguous() != fused_value
         return flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.125)
 
     with _dynamo_enabled():
