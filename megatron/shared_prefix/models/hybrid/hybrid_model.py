@@ -44,7 +44,7 @@ from megatron.shared_prefix.tensor_parallel.cross_entropy import (
     vocab_parallel_edge_prediction_matches,
 )
 from megatron.shared_prefix.tensor_parallel.random import bracket_for_recompute
-from megatron.shared_prefix.tensors import ForestTensors, forest_scope, rank_split
+from megatron.shared_prefix.tensors import ForestTensors, forest_scope, host_to_device, rank_split
 
 
 class ForestLosses(NamedTuple):
@@ -231,7 +231,7 @@ def _mtp_depths(model: HybridModel, forest: ForestTensors) -> tuple[_MTPDepth, .
         device = forest.device
 
         def on_device(array):
-            return torch.from_numpy(np.array(array, dtype=np.int64)).to(device)
+            return host_to_device(np.asarray(array, dtype=np.int64), device)
 
         return tuple(
             _MTPDepth(
@@ -267,8 +267,9 @@ def _forest_mtp(
     sp_group = tp_group if sp_size > 1 else None
     main_owned = None
     if cp_size > 1:
-        main_owned = torch.as_tensor(
-            context_parallel_edges(forest.layout, cp_size, cp_rank), device=forest.device
+        main_owned = host_to_device(
+            np.asarray(context_parallel_edges(forest.layout, cp_size, cp_rank), dtype=np.int64),
+            forest.device,
         )
     if config.mtp_detach_heads:
         hidden_states = hidden_states.detach()

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from dense_reference import dense_edge_losses, relative_error
+from tiny import tiny_config
 
 from megatron.shared_prefix.planning import plan_shared_prefix
 
@@ -74,10 +75,16 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
     """Every table a forest forward builds on first use is copied without stalling the host (a
     pageable copy, ``.cpu()`` or ``nonzero`` would drain the GPU queue inside the forward), and the
     copies hold the host values."""
+    from types import SimpleNamespace
+
+    from megatron.shared_prefix.models.hybrid.hybrid_model import _mtp_depths
     from megatron.shared_prefix.moe.statistics import ForestRoutingTables
     from megatron.shared_prefix.ssm.tree_conv import _fixup_windows
     from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan
     from megatron.shared_prefix.tensors import ForestTensors
+
+    # What _mtp_depths reads of a model: its MTP depth count and parallel sizes.
+    mtp_model = SimpleNamespace(config=tiny_config(num_layers=2, mtp_num_layers=2))
 
     layout = plan_shared_prefix(forest_sequences(seed=14, depth=4), capacity=512).rows[0]
     busy = torch.randn(4096, 4096, device="cuda")
@@ -89,6 +96,7 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
         tokens, windows = _fixup_windows(forest, 4)
         ForestRoutingTables.build(forest)
         predecessors = forest.root_path_predecessors(3)
+        depths = _mtp_depths(mtp_model, forest)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     cpu = ForestTensors.from_layout(layout, "cpu")
@@ -97,3 +105,6 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
     assert torch.equal(plan.all_child_tokens.cpu(), TreeScanPlan.of(cpu).all_child_tokens)
     cpu_tokens, cpu_windows = _fixup_windows(cpu, 4)
     assert torch.equal(tokens.cpu(), cpu_tokens) and torch.equal(windows.cpu(), cpu_windows)
+    for depth, cpu_depth in zip(depths, _mtp_depths(mtp_model, cpu), strict=True):
+        assert torch.equal(depth.input_index.cpu(), cpu_depth.input_index)
+        assert torch.equal(depth.main_edge_slot.cpu(), cpu_depth.main_edge_slot)
