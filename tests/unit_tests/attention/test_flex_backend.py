@@ -269,6 +269,12 @@ def test_precompile_lengths():
         flex_backend.precompile_lengths(20000, "off")
 
 
+# The head shape, scale, dtype and device the CPU precompile tests compile for (cpu_qkv's).
+CPU_SIGNATURE = dict(
+    num_heads=4, num_groups=2, head_dim=8, softmax_scale=0.3, dtype=torch.float32, device="cpu"
+)
+
+
 @pytest.fixture
 def recorded_kernels(monkeypatch):
     """Replaces the compiled kernels by a recorder of (static, row length, autograd on) that
@@ -288,12 +294,7 @@ def test_precompile_runs_every_kernel_then_only_those(recorded_kernels, forest_s
     compiled = flex_backend.precompile(
         3000,
         mode="buckets",
-        num_heads=4,
-        num_groups=2,
-        head_dim=8,
-        softmax_scale=0.3,
-        dtype=torch.float32,
-        device="cpu",
+        **CPU_SIGNATURE,
         no_grad_forward=True,
     )
     static, dynamic = flex_backend.precompile_lengths(3000, "buckets")
@@ -321,12 +322,7 @@ def test_precompile_dynamic_leaves_every_row_to_the_dynamic_kernel(
     flex_backend.precompile(
         4096,
         mode="dynamic",
-        num_heads=4,
-        num_groups=2,
-        head_dim=8,
-        softmax_scale=0.3,
-        dtype=torch.float32,
-        device="cpu",
+        **CPU_SIGNATURE,
     )
     assert recorded_kernels == [(False, flex_backend.DYNAMIC_WARMUP_TOKENS, True)]
     recorded_kernels.clear()
