@@ -590,8 +590,9 @@ def markdown(tables, first, command, args):
         "tokens per second. component ideal = dense / (token-wise / token ratio + attention / "
         "pair ratio + output), the packed dense step split into its measured attention "
         "(FlexAttention forward+backward at its row shapes), output layer + loss (same "
-        "targets: ratio 1; with MTP once per depth as well) and the rest (dense shares column); tree token-wise / ideal and "
-        "tree attention / ideal apply the same split to the tree step. Peak: memory above "
+        "targets: ratio 1; with MTP once per depth as well) and the rest (dense shares "
+        "column); tree token-wise / ideal and tree attention / ideal apply the same split to "
+        "the tree step. Peak: memory above "
         "weights and gradients, and per 1K tokens of the longest row." + mtp,
         "",
     ]

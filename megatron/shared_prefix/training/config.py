@@ -413,7 +413,8 @@ class RunConfig:
 
 
 def _precompile_mode(args: argparse.Namespace, trainer: str) -> str:
-    """``--shared-prefix-precompile``, refused where there is no tree attention kernel to compile."""
+    """``--shared-prefix-precompile``, refused where there is no tree attention kernel to
+    compile."""
     mode = args.shared_prefix_precompile
     if mode == "off":
         return mode
