@@ -9,6 +9,8 @@ it; they share these two set-ups:
   ``MASTER_ADDR``, ``MASTER_PORT``), gloo on CPU and NCCL on CUDA, with the tensor, pipeline,
   expert and context parallel sizes given; data parallelism takes the remaining factor of the world
   size, as in megatron.training.
+
+:func:`shutdown_parallel` tears a world down again before the process exits.
 """
 
 import datetime
@@ -149,3 +151,24 @@ def init_parallel(
     if device.type == "cuda":
         _prepare_device(device, seed)
     return device
+
+
+def shutdown_parallel(*, synchronize: bool = True) -> None:
+    """Destroy megatron-core's parallel state and the process group, before the process exits.
+
+    A gloo group left to interpreter finalization can abort a rank that finished its work
+    ("terminate called without an active exception", SIGABRT): gloo's worker threads still hold
+    work objects whose tensors need the interpreter being torn down. ``synchronize`` first waits
+    at a barrier so that no rank tears down while a peer still communicates; pass ``False`` on an
+    error path, where a peer may never reach the barrier. A no-op without a process group.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        return
+    if synchronize:
+        dist.barrier()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -39,7 +39,7 @@ from megatron.shared_prefix.training.checkpointing import (
 )
 from megatron.shared_prefix.training.config import ConfigError, RunConfig, ScheduleConfig
 from megatron.shared_prefix.training.data import ExampleStream, repetition_warning
-from megatron.shared_prefix.training.distributed import init_single_process
+from megatron.shared_prefix.training.distributed import init_single_process, shutdown_parallel
 from megatron.shared_prefix.training.integrity import iteration_to_load
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, open_tensorboard
 from megatron.shared_prefix.training.model import (
@@ -277,11 +277,18 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
     warning = repetition_warning(dataset, config.batch.global_batch_size)
     if warning:
         log(warning)
+    # A torchrun world this run joins is this run's to tear down (shutdown_parallel says why).
+    owns_world = args.world_size > 1 and not torch.distributed.is_initialized()
+    finished = False
     try:
         trainer = _Trainer(args, config, device, log)
-        return trainer.train(ExampleStream(dataset, config.batch.global_batch_size), header)
+        metrics = trainer.train(ExampleStream(dataset, config.batch.global_batch_size), header)
+        finished = True
+        return metrics
     finally:
         torch.set_num_threads(threads)
+        if owns_world:
+            shutdown_parallel(synchronize=finished)
 
 
 def _quiet(_line: str) -> None:

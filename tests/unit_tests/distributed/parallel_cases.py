@@ -38,7 +38,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 # pylint: disable=wrong-import-position
-from megatron.shared_prefix.training.distributed import init_parallel  # noqa: E402
+from megatron.shared_prefix.training.distributed import (  # noqa: E402
+    init_parallel,
+    shutdown_parallel,
+)
 
 init_parallel()
 
@@ -577,6 +580,7 @@ def main(out_path: str, names: list[str]) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w", encoding="utf-8") as out:
             json.dump(results, out, indent=1)
+    shutdown_parallel()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Usage: ``torchrun --nproc-per-node N checkpoint_layout_runs.py RUNS.json``, where RUNS.json is a
 list of argument lists. Every process runs them in order, each through ``loop.run`` (which
 rebuilds megatron's parallel state for the run's layout), so the world starts once for all of
-them. A failing run is printed with its flags and the job stops.
+them and is shut down after the last. A failing run is printed with its flags and the job stops.
 """
 
 import json
@@ -11,11 +11,13 @@ import sys
 import traceback
 
 from megatron.shared_prefix.training import loop
+from megatron.shared_prefix.training.distributed import init_parallel, shutdown_parallel
 
 
 def main(path: str) -> None:
     with open(path, encoding="utf-8") as handle:
         runs = json.load(handle)
+    init_parallel()
     for argv in runs:
         try:
             loop.run(argv, log=lambda line: None)
@@ -23,6 +25,7 @@ def main(path: str) -> None:
             print(f"run failed: {' '.join(argv)}", flush=True)
             traceback.print_exc()
             sys.exit(1)
+    shutdown_parallel()
 
 
 if __name__ == "__main__":
