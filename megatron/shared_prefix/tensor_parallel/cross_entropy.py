@@ -10,66 +10,101 @@ the first token of every child), so the normalizer is computed once per distinct
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from torch import Tensor
 
-# Rows of [U, V] logits the one-rank edge loss turns into float32 at a time (256 MiB).
+# Rows of [U, V / tp] logits turned into float32 at a time (256 MiB).
 FLOAT32_CHUNK_ELEMENTS = 1 << 26
 
 
 class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-method
-    """``-log softmax(logits[slot])[target]`` per edge, in float32, keeping for backward only the
-    input logits and one float32 log-normalizer per source.
+    """``-log softmax(logits[slot])[target]`` per edge, in float32, over this rank's vocabulary
+    shard, keeping for backward only the input logits and one float32 log-normalizer per source.
 
     Autograd through ``logits.float()`` and ``logsumexp`` keeps a float32 copy of the [U, V] logits
     and builds the float32 gradient of each step in full (the softmax term, the target term, their
     sum, then the cast back), several times the logits' size. A forest row concentrates the edges of
     every sequence through it on few tokens (a GRPO star's row holds all its completions), so that
     cost, which scales with edges, not tokens, set the row's peak memory on an H200
-    (docs/benchmarks.md). Here float32 work runs in chunks of ``FLOAT32_CHUNK_ELEMENTS``, and the
-    gradient is written once, in the logits' dtype.
+    (docs/benchmarks.md). Here float32 work runs in chunks of ``FLOAT32_CHUNK_ELEMENTS`` rows'
+    worth, and the gradient is written once, in the logits' dtype: into the logits' own storage
+    with ``overwrite``, which the output layer's backward no longer needs (megatron-core's
+    vocab-parallel cross entropy reuses its input the same way), so no second [U, V] tensor exists.
+
+    Under tensor parallelism (``group`` of size > 1) the forward all-reduces each source's maximum,
+    its sum of exponentials and the target logits (held by the rank whose shard has the target);
+    the backward needs no communication: each rank's gradient is that of its shard.
 
     Backward: ``grad_logits[u] = softmax(logits[u]) * sum_{e: slot e = u} grad_e``, minus
-    ``grad_e`` at ``(slot_e, target_e)``, both accumulated in float32 with ``index_put_``
-    (``accumulate=True``: sorted, deterministic, as autograd's backward of indexing) before one
-    cast.
+    ``grad_e`` at ``(slot_e, target_e)`` on the target's rank, both accumulated in float32 with
+    ``index_put_`` (``accumulate=True``: sorted, deterministic, as autograd's backward of indexing)
+    before one cast.
     """
 
     @staticmethod
-    def forward(ctx, logits, edge_source_slot, edge_target):  # pylint: disable=arguments-differ
+    def forward(  # pylint: disable=arguments-differ
+        ctx, logits, edge_source_slot, edge_target, group, overwrite
+    ):
         rows = max(1, FLOAT32_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+        chunks = [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
         log_normalizer = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for start in range(0, logits.shape[0], rows):
-            chunk = logits[start : start + rows].float()
-            log_normalizer[start : start + rows] = torch.logsumexp(chunk, dim=-1)
+        if group is None or group.size() == 1:
+            for chunk in chunks:
+                log_normalizer[chunk] = torch.logsumexp(logits[chunk].float(), dim=-1)
+            target, owned = edge_target, None
+            target_logit = logits[edge_source_slot, target].float()
+        else:
+            # Shards' maxima are bf16/fp32 values: max commutes exactly with the cast.
+            shift = torch.empty_like(log_normalizer)
+            for chunk in chunks:
+                shift[chunk] = logits[chunk].max(dim=-1).values.float()
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+            sum_exp = torch.empty_like(log_normalizer)
+            for chunk in chunks:
+                sum_exp[chunk] = (logits[chunk].float() - shift[chunk, None]).exp().sum(dim=-1)
+            dist.all_reduce(sum_exp, group=group)
+            log_normalizer = sum_exp.log_().add_(shift)
+            shard = logits.shape[-1]
+            local = edge_target - group.rank() * shard
+            owned = (local >= 0) & (local < shard)
+            target = local.clamp(0, max(shard - 1, 0))
+            target_logit = torch.where(owned, logits[edge_source_slot, target].float(), 0.0)
+            dist.all_reduce(target_logit, group=group)
         ctx.rows = rows
-        ctx.save_for_backward(logits, edge_source_slot, edge_target, log_normalizer)
-        return log_normalizer[edge_source_slot] - logits[edge_source_slot, edge_target].float()
+        ctx.overwrite = overwrite
+        ctx.save_for_backward(logits, edge_source_slot, target, owned, log_normalizer)
+        return log_normalizer[edge_source_slot] - target_logit
 
     @staticmethod
     def backward(ctx, grad):  # pylint: disable=arguments-differ
-        logits, slot, target, log_normalizer = ctx.saved_tensors
+        logits, slot, target, owned, log_normalizer = ctx.saved_tensors
         grad = grad.float()
+        num_sources = logits.shape[0]
+        # Every edge's softmax term reaches every shard; its target term only the target's rank.
         source_grad = torch.zeros_like(log_normalizer).index_put_((slot,), grad, accumulate=True)
-        grad_logits = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            stop = min(start + ctx.rows, logits.shape[0])
+        target_grad = -grad if owned is None else torch.where(owned, -grad, 0.0)
+        grad_logits = logits if ctx.overwrite else torch.empty_like(logits)
+        for start in range(0, num_sources, ctx.rows):
+            stop = min(start + ctx.rows, num_sources)
             # A copy even for float32 logits: the chunk is updated in place.
             chunk = logits[start:stop].to(torch.float32, copy=True)
             chunk.sub_(log_normalizer[start:stop, None]).exp_().mul_(source_grad[start:stop, None])
-            # Edges of other chunks add 0 to a clamped row: x + 0 is x.
+            # Edges of other chunks, and targets of other ranks, add 0 to a clamped row: x + 0 is x.
             here = (slot >= start) & (slot < stop)
             chunk.index_put_(
                 ((slot - start).clamp(0, stop - start - 1), target),
-                torch.where(here, -grad, torch.zeros_like(grad)),
+                torch.where(here, target_grad, 0.0),
                 accumulate=True,
             )
             grad_logits[start:stop] = chunk
-        return grad_logits, None, None
+        return grad_logits, None, None, None, None
 
 
 def edge_cross_entropy(
-    source_logits: Tensor, edge_source_slot: Tensor, edge_target: Tensor
+    source_logits: Tensor,
+    edge_source_slot: Tensor,
+    edge_target: Tensor,
+    *,
+    overwrite_logits: bool = False,
 ) -> Tensor:
     """Cross entropy of every loss edge from full-vocabulary logits (one rank).
 
@@ -77,16 +112,26 @@ def edge_cross_entropy(
         source_logits: [U, V] logits of the distinct edge sources.
         edge_source_slot: [E] row of ``source_logits`` that predicts each edge.
         edge_target: [E] target token id of each edge.
+        overwrite_logits: let the backward write the logits' gradient into ``source_logits``'
+            storage (its values are gone after the backward); for logits that nothing else reads
+            afterwards, such as the output layer's, so the backward allocates no [U, V] tensor.
 
     Returns:
         [E] float32 ``-log softmax(source_logits[slot])[target]``; its backward keeps no float32
         copy of the logits (``_EdgeCrossEntropy``).
     """
-    return _EdgeCrossEntropy.apply(source_logits, edge_source_slot, edge_target)
+    return _EdgeCrossEntropy.apply(
+        source_logits, edge_source_slot, edge_target, None, overwrite_logits
+    )
 
 
 def vocab_parallel_edge_cross_entropy(
-    source_logits: Tensor, edge_source_slot: Tensor, edge_target: Tensor, group
+    source_logits: Tensor,
+    edge_source_slot: Tensor,
+    edge_target: Tensor,
+    group,
+    *,
+    overwrite_logits: bool = False,
 ) -> Tensor:
     """Cross entropy of every loss edge from this rank's vocabulary shard of the logits.
 
@@ -96,30 +141,17 @@ def vocab_parallel_edge_cross_entropy(
         edge_source_slot: [E] row of ``source_logits`` that predicts each edge.
         edge_target: [E] target token id of each edge (full-vocabulary ids).
         group: the tensor-parallel process group.
+        overwrite_logits: as for ``edge_cross_entropy``.
 
     Returns:
         [E] float32 loss of every edge, the same on every rank of ``group``. Its gradient reaches
         each rank's logits shard; the caller sums the same weighted loss on every rank, as with
-        megatron's ``vocab_parallel_cross_entropy``.
+        megatron's ``vocab_parallel_cross_entropy``. Memory as for ``edge_cross_entropy``: float32
+        work in chunks, one float32 value per source kept.
     """
-    if group.size() == 1:
-        return edge_cross_entropy(source_logits, edge_source_slot, edge_target)
-    logits = source_logits.float()
-    shard = logits.shape[-1]
-    with torch.no_grad():
-        shift = logits.max(dim=-1).values
-        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-    sum_exp = reduce_from_tensor_model_parallel_region(
-        (logits - shift.unsqueeze(-1)).exp().sum(dim=-1), group
+    return _EdgeCrossEntropy.apply(
+        source_logits, edge_source_slot, edge_target, group, overwrite_logits
     )
-    log_normalizer = sum_exp.log() + shift
-    local_target = edge_target - group.rank() * shard
-    owned = (local_target >= 0) & (local_target < shard)
-    target_logit = logits[edge_source_slot, local_target.clamp(0, shard - 1)]
-    target_logit = reduce_from_tensor_model_parallel_region(
-        torch.where(owned, target_logit, torch.zeros_like(target_logit)), group
-    )
-    return log_normalizer[edge_source_slot] - target_logit
 
 
 def vocab_parallel_edge_prediction_matches(
@@ -141,11 +173,12 @@ def vocab_parallel_edge_prediction_matches(
         [E] bool, the same on every rank of ``group``.
     """
     with torch.no_grad():
-        logits = source_logits.float()
+        # On the logits' own dtype: max and argmax commute exactly with a cast to float32.
+        logits = source_logits
         if group.size() == 1:
             return logits.argmax(dim=-1)[edge_source_slot] == edge_target
         shard = logits.shape[-1]
-        local_max = logits.max(dim=-1).values
+        local_max = logits.max(dim=-1).values.float()
         global_max = local_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         first = logits.argmax(dim=-1) + group.rank() * shard

@@ -27,6 +27,7 @@ side asserts the tolerances.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -69,6 +70,7 @@ from megatron.shared_prefix import (  # noqa: E402
     plan_shared_prefix,
 )
 from megatron.shared_prefix.moe import TreeTopKRouter  # noqa: E402
+from megatron.shared_prefix.tensor_parallel import cross_entropy  # noqa: E402
 from megatron.shared_prefix.tensor_parallel.full_tensors import (  # noqa: E402
     gather_full_tensors,
     load_full_tensors,
@@ -565,14 +567,72 @@ def reject_ep2_allgather_unequal_rows() -> dict:
     return {"rejected": all(everyone)}
 
 
+def vocab_parallel_edge_loss(tp: int) -> dict:
+    """The vocab-parallel edge loss on its own at TP ``tp``: per-edge losses and each rank's
+    logits-shard gradient against float64 autograd over the full vocabulary, with and without
+    ``overwrite_logits``, the float32 work in several chunks; edges share sources and one
+    (source, target) pair repeats."""
+    init_parallel(tensor_model_parallel_size=tp)
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = group.rank()
+    sources, vocab = 13, 16 * tp
+    shard = vocab // tp
+    generator = torch.Generator().manual_seed(7)
+    full = torch.randn(sources, vocab, generator=generator, dtype=torch.float64) * 3
+    slot = torch.cat([torch.arange(sources), torch.randint(0, sources, (40,), generator=generator)])
+    target = torch.randint(0, vocab, slot.shape, generator=generator)
+    slot, target = torch.cat([slot, slot[:1]]), torch.cat([target, target[:1]])
+    weights = torch.randn(slot.shape, generator=generator, dtype=torch.float64)
+    reference = full.clone().requires_grad_()
+    expected = torch.logsumexp(reference, -1)[slot] - reference[slot, target]
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), reference)
+    expected_shard = expected_grad[:, rank * shard : (rank + 1) * shard]
+    chunk_elements = cross_entropy.FLOAT32_CHUNK_ELEMENTS
+    cross_entropy.FLOAT32_CHUNK_ELEMENTS = 4 * shard
+    errors = {"loss_error": 0.0, "grad_error": 0.0}
+    grads = []
+    try:
+        for overwrite in (False, True):
+            leaf = full[:, rank * shard : (rank + 1) * shard].float().requires_grad_()
+            logits = leaf * 1  # not a leaf: overwrite_logits writes into it
+            loss = cross_entropy.vocab_parallel_edge_cross_entropy(
+                logits, slot, target, group, overwrite_logits=overwrite
+            )
+            (loss.double() * weights).sum().backward()
+            grads.append(leaf.grad)
+            errors["loss_error"] = max(errors["loss_error"], _rel_error(loss, expected))
+            errors["grad_error"] = max(errors["grad_error"], _rel_error(leaf.grad, expected_shard))
+    finally:
+        cross_entropy.FLOAT32_CHUNK_ELEMENTS = chunk_elements
+    worst = torch.tensor([errors["loss_error"], errors["grad_error"]], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    same = torch.tensor(float(torch.equal(*grads)))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return {
+        "loss_error": float(worst[0]),
+        "grad_error": float(worst[1]),
+        "overwrite_bitwise": bool(same),
+    }
+
+
+def _rel_error(actual, expected):
+    return float((actual.double() - expected).abs().max() / expected.abs().max())
+
+
+# Checks whose results are not a model case's (test_parallel_forests.py asserts them by name).
 REJECTIONS = {"reject_ep2_allgather_unequal_rows": reject_ep2_allgather_unequal_rows}
+FUNCTIONS = {
+    f"vocab_parallel_edge_loss_tp{tp}": functools.partial(vocab_parallel_edge_loss, tp)
+    for tp in (2, 4)
+}
 
 
 def main(out_path: str, names: list[str]) -> None:
     results = {}
     for name in names:
         try:
-            results[name] = REJECTIONS[name]() if name in REJECTIONS else run_case(CASES[name])
+            check = {**REJECTIONS, **FUNCTIONS}.get(name)
+            results[name] = check() if check else run_case(CASES[name])
         except Exception as error:  # pylint: disable=broad-exception-caught
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             if os.environ.get("SHARED_PREFIX_RAISE"):

@@ -41,6 +41,7 @@ JOBS = {
         "pp2_mtp_tied",
         "ep2_mtp_alltoall",
         "reject_ep2_allgather_unequal_rows",
+        "vocab_parallel_edge_loss_tp2",
     ],
     4: [
         "tp4",
@@ -53,6 +54,7 @@ JOBS = {
         "cp2_tp2_sp",
         "cp2_ep2_alltoall",
         "cp2_tp2_sp_mtp",
+        "vocab_parallel_edge_loss_tp4",
     ],
 }
 CASES = [(world, name) for world, names in JOBS.items() for name in names]
@@ -108,6 +110,11 @@ def test_parallel_forest_matches_dense(results, world_size, name):
     assert "error" not in result, result.get("error")
     if name.startswith("reject_"):
         assert result["rejected"], result
+        return
+    if name.startswith("vocab_parallel_edge_loss"):
+        # float32 math on float32 logits against float64.
+        assert result["loss_error"] <= 1e-6 and result["grad_error"] <= 1e-6, result
+        assert result["overwrite_bitwise"], result
         return
     assert result["loss_error"] <= LOSS_TOLERANCE, result
     assert result["grad_error"] <= GRAD_TOLERANCE, result

@@ -202,12 +202,16 @@ def _edge_losses(
             output_weight if output_weight is not None else model.output_layer.weight
         ).detach()
     logits, _ = model.output_layer(source_states, weight=output_weight, runtime_gather_output=False)
-    logits = model._scale_logits(logits)  # pylint: disable=protected-access
+    # [U, 1, V / tp] -> [U, V / tp], a view (whose backward, unlike indexing's, allocates nothing).
+    logits = model._scale_logits(logits).squeeze(1)  # pylint: disable=protected-access
     targets = forest.edge_target if owned_edges is None else forest.edge_target[owned_edges]
-    loss = vocab_parallel_edge_cross_entropy(logits[:, 0], edge_slot, targets, tp_group)
     correct = None
     if with_correct:
-        correct = vocab_parallel_edge_prediction_matches(logits[:, 0], edge_slot, targets, tp_group)
+        correct = vocab_parallel_edge_prediction_matches(logits, edge_slot, targets, tp_group)
+    # Nothing reads the logits after the loss: its backward writes their gradient in place.
+    loss = vocab_parallel_edge_cross_entropy(
+        logits, edge_slot, targets, tp_group, overwrite_logits=True
+    )
     return loss, correct, owned_edges
 
 

@@ -194,9 +194,11 @@ ENTRIES = [
         kind="order-sensitive PyTorch op",
         training_path=True,
         notes=(
-            "The one-rank edge loss's backward accumulates the gradients of edges that share a "
-            "source, and of repeated (source, target) pairs, with index_put_(accumulate=True), "
-            "the sort-based op autograd's backward of indexing uses; float32 work in row chunks."
+            "The edge loss's backward (one rank, and each rank's shard under TP) accumulates the "
+            "gradients of edges that share a source, and of repeated (source, target) pairs, with "
+            "index_put_(accumulate=True), the sort-based op autograd's backward of indexing uses; "
+            "float32 work in row chunks, the gradient optionally written into the logits. The TP "
+            "path replays inside the tp2_sp parallel case (test_parallel_forests.py)."
         ),
     ),
 ]

@@ -1,6 +1,7 @@
 """Bitwise replay of the one-rank edge loss (tensor_parallel/cross_entropy.py), forward and
 backward: edges sharing a source and a repeated (source, target) pair accumulate with
-``index_put_(accumulate=True)``; the float32 work runs in several row chunks."""
+``index_put_(accumulate=True)``; the float32 work runs in several row chunks; with
+``overwrite_logits`` the gradient is written into the logits' storage (the model's path)."""
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ DEVICES = [
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_edge_cross_entropy_replay(monkeypatch, device, dtype):
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new-gradient", "overwrite-logits"])
+def test_edge_cross_entropy_replay(monkeypatch, device, dtype, overwrite):
     sources, vocab = 300, 4096
     monkeypatch.setattr(cross_entropy, "FLOAT32_CHUNK_ELEMENTS", 64 * vocab)  # 5 chunks
     generator = torch.Generator().manual_seed(0)
@@ -37,6 +39,9 @@ def test_edge_cross_entropy_replay(monkeypatch, device, dtype):
         return (torch.randn(sources, vocab, device=device) * 4).to(dtype).requires_grad_()
 
     def fn(logits):
-        return cross_entropy.edge_cross_entropy(logits, slot, target)
+        # An intermediate, as the output layer's logits: overwrite_logits writes into it.
+        return cross_entropy.edge_cross_entropy(
+            logits * 1, slot, target, overwrite_logits=overwrite
+        )
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")

@@ -60,3 +60,68 @@ def test_no_edges():
     loss = cross_entropy.edge_cross_entropy(logits, empty, empty)
     loss.sum().backward()
     assert loss.shape == (0,) and logits.grad.shape == (0, 5)
+
+
+def _peak_bytes(fn):
+    """(``fn()``, the peak bytes it allocates above what it starts with): the CPU profiler's
+    allocation and free events, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return result, peak
+
+
+def test_overwrite_logits_writes_the_gradient_into_their_storage(monkeypatch):
+    """``overwrite_logits``: the same loss and gradient bit for bit, the gradient in the logits'
+    own storage, and a backward that allocates no second [U, V] tensor."""
+    monkeypatch.setattr(cross_entropy, "FLOAT32_CHUNK_ELEMENTS", 16 * 4096)
+    sources, vocab = 256, 4096
+    slot, target, weights = _edges(sources, vocab, seed=2)
+    weights = weights.float()
+    leaf = torch.randn(sources, vocab).mul(4).bfloat16()
+    results = {}
+    for overwrite in (False, True):
+        logits = leaf.clone().requires_grad_() * 1  # an intermediate, as the output layer's
+        loss = cross_entropy.edge_cross_entropy(logits, slot, target, overwrite_logits=overwrite)
+        (grad,), peak = _peak_bytes(
+            lambda: torch.autograd.grad((loss * weights).sum(), logits)  # noqa: B023
+        )
+        results[overwrite] = (loss.detach(), grad.clone(), grad.data_ptr() == logits.data_ptr(), peak)
+    (plain_loss, plain_grad, plain_aliases, plain_peak) = results[False]
+    (loss, grad, aliases, peak) = results[True]
+    assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
+    assert aliases and not plain_aliases
+    logits_bytes = sources * vocab * 2
+    # Without overwrite the gradient is a second [U, V]; with it only float32 chunks of 16 rows
+    # (256 KiB) and [U]- and [E]-sized tables remain.
+    assert plain_peak >= logits_bytes
+    assert peak < logits_bytes / 2, (peak, logits_bytes)
+
+
+def test_model_backward_allocates_no_logits_sized_tensor(monkeypatch, build_model):
+    """The forest model's loss backward, from the edge loss through the output layer, allocates
+    less than half the [U, V] logits: the gradient is written into the logits (the loss is their
+    only reader) and the [U, 1, V] -> [U, V] reshape is a view, whose backward allocates
+    nothing (indexing's backward would allocate zeros of the logits' size)."""
+    from megatron.shared_prefix.planning import plan_shared_prefix
+
+    vocab = 8192
+    monkeypatch.setattr(cross_entropy, "FLOAT32_CHUNK_ELEMENTS", 16 * vocab)
+    model = build_model("*-", vocab_size=vocab)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, vocab, (16,), generator=generator).tolist()
+    sequences = [prompt + torch.randint(1, vocab, (24,), generator=generator).tolist()] * 8
+    sequences = [s[:16] + [(t + i) % vocab for t in s[16:]] for i, s in enumerate(sequences)]
+    masks = [[False] * 16 + [True] * 24 for _ in sequences]
+    row = plan_shared_prefix(sequences, masks, capacity=512).rows[0]
+    loss = model(None, None, None, shared_prefix_layout=row)
+    logits_bytes = 8 * 24 * vocab * 4  # one source per supervised position, float32
+    _, peak = _peak_bytes(lambda: loss.sum().backward())
+    assert model.output_layer.weight.grad.abs().sum() > 0
+    assert peak < logits_bytes / 2, (peak, logits_bytes)
