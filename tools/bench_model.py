@@ -43,7 +43,9 @@ Usage:
         [--profile]
 
 With ``--mtp-num-layers N`` every pattern gets N multi-token prediction depths (the cost of MTP:
-tree against packed dense, both with MTP on), written to a section of its own.
+tree against packed dense, both with MTP on), written to a section of its own; so does
+``--output-chunk-tokens N`` (the model's ``shared_prefix_output_chunk_tokens``, tree and packed
+dense alike: the time and peak memory of the chunked, recomputed loss).
 """
 
 import argparse
@@ -68,6 +70,7 @@ from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
 
 SECTION = "Whole model (tools/bench_model.py)"
 MTP_SECTION = "Whole model with MTP (tools/bench_model.py --mtp-num-layers)"
+CHUNK_SECTION = "Whole model with output chunks (tools/bench_model.py --output-chunk-tokens)"
 FIRST_STEP_SECTION = "Whole model: first step and compilation (tools/bench_model.py --first-step)"
 
 # Layer patterns: attention + MoE heavy, and a Mamba-heavy Nemotron-H-like one (mostly M and -,
@@ -283,6 +286,7 @@ def build_model(pattern, args, device):
         max_sequence_length=8192,
         hybrid_layer_pattern=pattern,
         position_embedding_type="rope",
+        shared_prefix_output_chunk_tokens=getattr(args, "output_chunk_tokens", 0),
     ).to(device)
 
 
@@ -562,9 +566,17 @@ def _first_steps(pattern, mode, args):
     return results
 
 
+def _section(args, tables):
+    if args.mtp_num_layers:
+        return MTP_SECTION
+    if getattr(args, "output_chunk_tokens", 0):
+        return CHUNK_SECTION
+    return SECTION if tables else FIRST_STEP_SECTION
+
+
 def markdown(tables, first, command, args):
     """The benchmark section: command, set-up, one table per pattern, first-step times."""
-    mtp = (
+    notes = (
         f" Multi-token prediction: {args.mtp_num_layers} depths of pattern "
         f"`{args.mtp_pattern}`, each on its own forest row; the step includes their losses "
         "(megatron-core's MTP loss scaling), and their output layers count as output in the "
@@ -572,8 +584,14 @@ def markdown(tables, first, command, args):
         if args.mtp_num_layers
         else ""
     )
+    chunks = getattr(args, "output_chunk_tokens", 0)
+    if chunks:
+        notes += (
+            f" Output chunks: the output layer and loss of every forest row (tree and packed "
+            f"dense) run over {chunks} sources at a time, each chunk recomputed in the backward."
+        )
     lines = [
-        f"## {MTP_SECTION if args.mtp_num_layers else SECTION if tables else FIRST_STEP_SECTION}",
+        f"## {_section(args, tables)}",
         "",
         f"Command: `{command}`",
         "",
@@ -593,7 +611,7 @@ def markdown(tables, first, command, args):
         "targets: ratio 1; with MTP once per depth as well) and the rest (dense shares "
         "column); tree token-wise / ideal and tree attention / ideal apply the same split to "
         "the tree step. Peak: memory above "
-        "weights and gradients, and per 1K tokens of the longest row." + mtp,
+        "weights and gradients, and per 1K tokens of the longest row." + notes,
         "",
     ]
     for pattern, rows in tables.items():
@@ -641,6 +659,12 @@ def main():
         "--mtp-num-layers", type=int, default=0, help="multi-token prediction depths (0: none)"
     )
     parser.add_argument("--mtp-pattern", default="*-", help="layer pattern of each MTP depth")
+    parser.add_argument(
+        "--output-chunk-tokens",
+        type=int,
+        default=0,
+        help="the models' shared_prefix_output_chunk_tokens (0: the whole row's loss at once)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-step", help="also time fresh processes of this pattern")
     parser.add_argument(

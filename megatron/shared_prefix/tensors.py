@@ -221,6 +221,25 @@ class ForestTensors:
     def _projection(self, cp_size, cp_rank, sp_size, sp_rank):
         if cp_size == sp_size == 1:
             return self.edge_unique_source, self.edge_source_slot, None
+        local, slots, owned, _ = self._host_projection(cp_size, cp_rank, sp_size, sp_rank)
+
+        def on_device(array):
+            return host_to_device(np.asarray(array, dtype=np.int64), self.device)
+
+        return on_device(local), on_device(slots), (on_device(owned) if cp_size > 1 else None)
+
+    def _host_projection(self, cp_size, cp_rank, sp_size, sp_rank):
+        """``edge_projection`` on the host: (local sources, slots, owned edges or None, U_max)."""
+        return self.derive(
+            ("host_edge_projection", cp_size, cp_rank, sp_size, sp_rank),
+            lambda: self._build_host_projection(cp_size, cp_rank, sp_size, sp_rank),
+        )
+
+    def _build_host_projection(self, cp_size, cp_rank, sp_size, sp_rank):
+        layout = self.layout
+        sources, source_slot = np.unique(layout.edge_source, return_inverse=True)
+        if cp_size == sp_size == 1:
+            return sources, source_slot.reshape(-1), None, len(sources)
         from megatron.shared_prefix.context_parallel import (
             context_parallel_edges,
             context_parallel_tokens,
@@ -230,7 +249,6 @@ class ForestTensors:
         chunk = len(held) // sp_size
         position = np.full(self.num_tokens, -1, dtype=np.int64)
         position[held] = np.arange(len(held))
-        sources = self.edge_unique_source.cpu().numpy()
         mine = position[sources] >= 0
         sources, source_position = sources[mine], position[sources[mine]]
         order = np.argsort(source_position, kind="stable")
@@ -246,14 +264,59 @@ class ForestTensors:
         local = np.zeros(width, dtype=np.int64)
         on_this_rank = owner == sp_rank
         local[: int(on_this_rank.sum())] = source_position[on_this_rank] - sp_rank * chunk
-        layout = self.layout
-        owned = context_parallel_edges(layout, cp_size, cp_rank)
-        slots = row_of_source[layout.edge_source[owned]]
+        owned = context_parallel_edges(layout, cp_size, cp_rank) if cp_size > 1 else None
+        slots = row_of_source[layout.edge_source if owned is None else layout.edge_source[owned]]
+        return local, slots, owned, width
 
-        def on_device(array):
-            return host_to_device(np.asarray(array, dtype=np.int64), self.device)
+    def edge_projection_chunks(
+        self,
+        chunk_rows: int,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        sp_size: int = 1,
+        sp_rank: int = 0,
+    ) -> tuple[tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...], torch.Tensor]:
+        """``edge_projection`` split into chunks of at most ``chunk_rows`` of a rank's sources, for
+        a loss that projects one chunk at a time (and recomputes it in the backward).
 
-        return on_device(local), on_device(slots), (on_device(owned) if cp_size > 1 else None)
+        Chunk ``j`` projects local sources ``[j * chunk_rows, stop_j)`` of every sequence-parallel
+        rank, which the output layer's all-gather stacks into a block of ``sp`` equal parts, and
+        takes the loss of the owned edges whose source is in it.
+
+        Returns:
+            (one (start, stop, [E_j] int64 row of each edge's source in the chunk's gathered block,
+            [E_j] int64 target) per chunk, [E_own] int64 position of each owned edge, in owned-edge
+            order, among the chunks' edges concatenated).
+        """
+        return self.derive(
+            ("edge_projection_chunks", chunk_rows, cp_size, cp_rank, sp_size, sp_rank),
+            lambda: self._projection_chunks(chunk_rows, cp_size, cp_rank, sp_size, sp_rank),
+        )
+
+    def _projection_chunks(self, chunk_rows, cp_size, cp_rank, sp_size, sp_rank):
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        _, slots, owned, width = self._host_projection(cp_size, cp_rank, sp_size, sp_rank)
+        targets = self.layout.edge_target if owned is None else self.layout.edge_target[owned]
+        sp_rank_of_edge, row = np.divmod(slots, width)
+        chunk_of_edge = row // chunk_rows
+        chunks, concatenated = [], []
+        for start in range(0, width, chunk_rows):
+            stop = min(start + chunk_rows, width)
+            edges = np.flatnonzero(chunk_of_edge == start // chunk_rows)
+            in_chunk = sp_rank_of_edge[edges] * (stop - start) + row[edges] - start
+            chunks.append(
+                (
+                    start,
+                    stop,
+                    host_to_device(in_chunk.astype(np.int64), self.device),
+                    host_to_device(np.asarray(targets[edges], dtype=np.int64), self.device),
+                )
+            )
+            concatenated.append(edges)
+        position = np.empty(len(slots), dtype=np.int64)
+        position[np.concatenate(concatenated or [np.zeros(0, np.int64)])] = np.arange(len(slots))
+        return tuple(chunks), host_to_device(position, self.device)
 
     def attention_key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
         """Keys visible to each block of ``block_size`` consecutive queries.

@@ -177,6 +177,17 @@ def add_shared_prefix_args(
         "length compiles when a row first has it.",
     )
     group.add_argument(
+        "--shared-prefix-output-chunk-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Run the output layer and loss of each row over N loss-source tokens at a time, "
+        "recomputing each chunk in the backward: a row holds one chunk's logits (N x vocabulary "
+        "/ TP) instead of those of all its supervised tokens, for one more output-layer forward. "
+        "0 (default): one chunk. For rows with many supervised tokens at a large vocabulary, "
+        "whose logits dominate their memory.",
+    )
+    group.add_argument(
         "--shared-prefix-trainer",
         choices=TRAINERS,
         default="auto",

@@ -330,6 +330,16 @@ class RunConfig:
             ConfigError: naming the flag to change.
         """
         _check_script_invariants(args, trainer)
+        _require(
+            args.shared_prefix_output_chunk_tokens >= 0,
+            f"--shared-prefix-output-chunk-tokens {args.shared_prefix_output_chunk_tokens}: "
+            "must be >= 0 (0: the whole row at once)",
+        )
+        _require(
+            not args.shared_prefix_output_chunk_tokens or args.shared_prefix_packing,
+            "--shared-prefix-output-chunk-tokens with --no-shared-prefix-packing: dense "
+            "micro-batches run megatron-core's own output layer and loss",
+        )
         capacity = (
             args.shared_prefix_capacity
             if args.shared_prefix_capacity is not None

@@ -112,6 +112,7 @@ def build_model(
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
+        shared_prefix_output_chunk_tokens=args.shared_prefix_output_chunk_tokens,
     )
 
 

@@ -110,6 +110,8 @@ class Case:
     mtp: str = ""
     depths: int = 0
     mtp_path: str = "edges"
+    # The parallel model's shared_prefix_output_chunk_tokens (the loss over chunks of sources).
+    output_chunk_tokens: int = 0
 
     @property
     def main_pattern(self) -> str:
@@ -168,6 +170,11 @@ CASES = {
         "*M|M-", pp=2, tied=True, dispatcher="alltoall", seed=29, mtp="*M", depths=2
     ),
     "cp2_tp2_sp_mtp": Case("*M-", tp=2, sp=True, cp=2, seed=27, mtp="*M", depths=2),
+    "tp2_sp_output_chunks": Case("M*-", tp=2, sp=True, seed=28, output_chunk_tokens=6, replay=True),
+    "cp2_mtp_output_chunks": Case(
+        "*M-", cp=2, seed=29, mtp="M*", depths=2, output_chunk_tokens=5, tied=True
+    ),
+    "cp2_tp2_sp_output_chunks": Case("M*E-", tp=2, sp=True, cp=2, seed=30, output_chunk_tokens=4),
     # MoE in the MTP depths (alltoall: the depths' rows differ in length between EP ranks). No
     # load-balancing loss: the padded dense reference marks a depth's end positions as padding.
     "ep2_mtp_alltoall": Case(
@@ -231,6 +238,7 @@ def _build(case: Case, parallel: bool):
         share_embeddings_and_output_weights=case.tied,
         pre_process=parallel_state.is_pipeline_first_stage() if parallel else True,
         post_process=parallel_state.is_pipeline_last_stage() if parallel else True,
+        shared_prefix_output_chunk_tokens=case.output_chunk_tokens if parallel else 0,
     )
     if case.moe:
         with torch.no_grad():

@@ -40,6 +40,8 @@ JOBS = {
         "pp2_mtp",
         "pp2_mtp_tied",
         "ep2_mtp_alltoall",
+        "tp2_sp_output_chunks",
+        "cp2_mtp_output_chunks",
         "reject_ep2_allgather_unequal_rows",
         "vocab_parallel_edge_loss_tp2",
     ],
@@ -54,6 +56,7 @@ JOBS = {
         "cp2_tp2_sp",
         "cp2_ep2_alltoall",
         "cp2_tp2_sp_mtp",
+        "cp2_tp2_sp_output_chunks",
         "vocab_parallel_edge_loss_tp4",
     ],
 }

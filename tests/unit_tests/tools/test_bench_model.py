@@ -134,6 +134,20 @@ def test_mtp_option_builds_the_mtp_model(tool, megatron_world):
     assert mtp_grads and all(g is not None and g.abs().sum() > 0 for g in mtp_grads)
 
 
+def test_output_chunk_option_builds_the_chunked_model_and_section(tool, megatron_world):
+    """--output-chunk-tokens N builds the models with that chunk size and writes its own
+    section, whose set-up line says so."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=0, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=128
+    )
+    assert tool.build_model("M*", args, "cpu").shared_prefix_output_chunk_tokens == 0
+    args.output_chunk_tokens = 3
+    assert tool.build_model("M*", args, "cpu").shared_prefix_output_chunk_tokens == 3
+    assert tool._section(args, {"moe": []}) == tool.CHUNK_SECTION  # pylint: disable=protected-access
+
+
 def test_component_times_run_every_component(tool, megatron_world):
     """The attention and output-layer timings run (on CPU here) on rows of the model."""
     from types import SimpleNamespace

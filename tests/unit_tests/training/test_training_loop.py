@@ -35,6 +35,18 @@ def test_short_run_lowers_the_loss(train):
     assert sum(" iteration " in line for line in lines) == 4  # iterations 1, 8, 16, 24
 
 
+def test_output_chunks_follow_the_unchunked_run(train):
+    """--shared-prefix-output-chunk-tokens: the loss over 5-source chunks, recomputed in the
+    backward, gives the unchunked run's trajectory (main and MTP losses, gradient norms)."""
+    flags = ("--train-iters", "2", "--global-batch-size", "12", "--mtp-num-layers", "1")
+    whole, _ = train(*flags)
+    chunked, _ = train(*flags, "--shared-prefix-output-chunk-tokens", "5")
+    for mine, reference in zip(chunked, whole):
+        assert relative_error(mine.loss, reference.loss) <= 1e-5
+        assert relative_error(mine.mtp_losses[0], reference.mtp_losses[0]) <= 1e-5
+        assert relative_error(mine.grad_norm, reference.grad_norm) <= 1e-4
+
+
 @pytest.mark.parametrize("normalization", ["token", "sequence"])
 def test_packed_and_dense_first_step_agree(train, normalization):
     flags = (
@@ -241,6 +253,14 @@ def test_bad_data_fails_before_any_state_changes(train, tmp_path, write_jsonl):
         (
             ("--mtp-num-layers", "1", "--shared-prefix-loss-normalization", "sequence"),
             "--mtp-num-layers 1 with --shared-prefix-loss-normalization sequence",
+        ),
+        (
+            ("--shared-prefix-output-chunk-tokens", "-2"),
+            "--shared-prefix-output-chunk-tokens -2: must be >= 0",
+        ),
+        (
+            ("--shared-prefix-output-chunk-tokens", "8", "--no-shared-prefix-packing"),
+            "--shared-prefix-output-chunk-tokens with --no-shared-prefix-packing",
         ),
         (
             ("--mtp-num-layers", "1", "--expert-model-parallel-size", "2"),

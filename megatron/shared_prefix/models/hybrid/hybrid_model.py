@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.identity_op import IdentityOp
@@ -182,7 +183,9 @@ def _edge_losses(
 
     Under sequence parallelism each rank selects the sources among its own tokens and the
     output layer's all-gather assembles them (``ForestTensors.edge_projection``); the logits
-    stay vocab-parallel.
+    stay vocab-parallel. With the model's ``shared_prefix_output_chunk_tokens`` the sources are
+    projected that many at a time, each chunk's logits freed after its loss and recomputed in the
+    backward (``ForestTensors.edge_projection_chunks``).
 
     Returns:
         ([E_own] losses, [E_own] bool argmax matches or None, [E_own] owned edge indices or None
@@ -201,18 +204,43 @@ def _edge_losses(
         output_weight = (
             output_weight if output_weight is not None else model.output_layer.weight
         ).detach()
-    logits, _ = model.output_layer(source_states, weight=output_weight, runtime_gather_output=False)
-    # [U, 1, V / tp] -> [U, V / tp], a view (whose backward, unlike indexing's, allocates nothing).
-    logits = model._scale_logits(logits).squeeze(1)  # pylint: disable=protected-access
-    targets = forest.edge_target if owned_edges is None else forest.edge_target[owned_edges]
-    correct = None
-    if with_correct:
-        correct = vocab_parallel_edge_prediction_matches(logits, edge_slot, targets, tp_group)
-    # Nothing reads the logits after the loss: its backward writes their gradient in place.
-    loss = vocab_parallel_edge_cross_entropy(
-        logits, edge_slot, targets, tp_group, overwrite_logits=True
-    )
-    return loss, correct, owned_edges
+
+    def project_and_loss(states, slot, targets):
+        logits, _ = model.output_layer(states, weight=output_weight, runtime_gather_output=False)
+        # [U, 1, V / tp] -> [U, V / tp], a view (whose backward, unlike indexing's, allocates
+        # nothing).
+        logits = model._scale_logits(logits).squeeze(1)  # pylint: disable=protected-access
+        correct = None
+        if with_correct:
+            correct = vocab_parallel_edge_prediction_matches(logits, slot, targets, tp_group)
+        # Nothing reads the logits after the loss: its backward writes their gradient in place.
+        loss = vocab_parallel_edge_cross_entropy(
+            logits, slot, targets, tp_group, overwrite_logits=True
+        )
+        return loss, correct
+
+    chunk_tokens = getattr(model, "shared_prefix_output_chunk_tokens", 0)
+    chunk_rows = max(1, chunk_tokens // split[2])
+    if not chunk_tokens or source_states.shape[0] <= chunk_rows:
+        targets = forest.edge_target if owned_edges is None else forest.edge_target[owned_edges]
+        loss, correct = project_and_loss(source_states, edge_slot, targets)
+        return loss, correct, owned_edges
+    chunks, position = forest.edge_projection_chunks(chunk_rows, *split)
+    losses, matches = [], []
+    for start, stop, slot, targets in chunks:
+        # Each chunk's logits are freed after its loss and recomputed in the backward.
+        loss, correct = torch.utils.checkpoint.checkpoint(
+            project_and_loss,
+            source_states[start:stop],
+            slot,
+            targets,
+            use_reentrant=False,
+            preserve_rng_state=False,
+        )
+        losses.append(loss)
+        matches.append(correct)
+    correct = torch.cat(matches)[position] if with_correct else None
+    return torch.cat(losses)[position], correct, owned_edges
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -383,10 +411,25 @@ class SharedPrefixHybridModel(HybridModel):
     Takes HybridModel's constructor arguments. Every layer of the pattern, MTP depths included,
     must have a module in the stack spec (megatron-core would otherwise build an identity for,
     e.g., ``E`` layers of a spec without experts).
+
+    ``shared_prefix_output_chunk_tokens`` (keyword, default 0: off) bounds the loss's logits: the
+    output layer and the edge loss run over that many edge sources at a time (per row, summed over
+    the sequence-parallel ranks), and each chunk is recomputed in the backward, so a row holds one
+    chunk's [N, V / tp] logits instead of all its sources', for one more output-layer forward. A
+    forest row concentrates the supervised targets of every sequence through it on few tokens, so
+    at a large vocabulary its logits can dominate its memory. Losses and gradients are those of
+    the unchunked loss up to float32 summation order.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, shared_prefix_output_chunk_tokens: int = 0, **kwargs):
+        chunk = shared_prefix_output_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(
+                "SharedPrefixHybridModel: shared_prefix_output_chunk_tokens must be an int >= 0 "
+                f"(0: off), got {chunk!r}"
+            )
         super().__init__(*args, **kwargs)
+        self.shared_prefix_output_chunk_tokens = chunk
         stacks = [("", self.decoder)]
         if getattr(self, "mtp_process", False):
             stacks += [
