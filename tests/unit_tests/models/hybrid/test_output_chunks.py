@@ -95,3 +95,26 @@ def test_chunk_tables_cover_every_edge_once(megatron_world, forest_sequences):
     assert torch.equal(chunk_slot[position], slots)
     assert torch.equal(chunk_target[position], forest.edge_target)
     assert torch.equal(torch.sort(position).values, torch.arange(len(slots)))
+
+
+def test_megatron_overlapped_grad_reduce_takes_any_chunk_count(megatron_world):
+    """megatron-core's DDP with overlap_grad_reduce counts each parameter's gradient
+    accumulations against the first batch's and refuses to finish the step otherwise; rows with
+    different numbers of chunks still accumulate the output weight once per backward (the
+    non-reentrant checkpoint), so every step finishes."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = _build("*-", 4)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True),
+        model,
+    )
+    rng = np.random.default_rng(0)
+    for num_sequences in (3, 6, 2):
+        sequences = [rng.integers(1, 64, 10 + i).tolist() for i in range(num_sequences)]
+        row = plan_shared_prefix(sequences, capacity=512).rows[0]
+        ddp.zero_grad_buffer()
+        ddp(None, None, None, shared_prefix_layout=row).sum().backward()
+        ddp.finish_grad_sync()
+        assert model.output_layer.weight.main_grad.abs().sum() > 0
