@@ -299,24 +299,25 @@ class ForestTensors:
         _, slots, owned, width = self._host_projection(cp_size, cp_rank, sp_size, sp_rank)
         targets = self.layout.edge_target if owned is None else self.layout.edge_target[owned]
         sp_rank_of_edge, row = np.divmod(slots, width)
+        starts = np.arange(0, width, chunk_rows)
         chunk_of_edge = row // chunk_rows
-        chunks, concatenated = [], []
-        for start in range(0, width, chunk_rows):
-            stop = min(start + chunk_rows, width)
-            edges = np.flatnonzero(chunk_of_edge == start // chunk_rows)
-            in_chunk = sp_rank_of_edge[edges] * (stop - start) + row[edges] - start
-            chunks.append(
-                (
-                    start,
-                    stop,
-                    host_to_device(in_chunk.astype(np.int64), self.device),
-                    host_to_device(np.asarray(targets[edges], dtype=np.int64), self.device),
-                )
-            )
-            concatenated.append(edges)
+        # Edges grouped by chunk, in owned-edge order within each: one sort, one copy per table.
+        order = np.argsort(chunk_of_edge, kind="stable")
+        chunk_start = starts[chunk_of_edge[order]]
+        chunk_width = np.minimum(chunk_start + chunk_rows, width) - chunk_start
+        in_chunk = sp_rank_of_edge[order] * chunk_width + row[order] - chunk_start
+        counts = np.bincount(chunk_of_edge, minlength=len(starts)).tolist()
+        in_chunk = host_to_device(in_chunk.astype(np.int64), self.device).split(counts)
+        chunk_targets = host_to_device(
+            np.asarray(targets[order], dtype=np.int64), self.device
+        ).split(counts)
+        chunks = tuple(
+            (int(start), int(min(start + chunk_rows, width)), slot, target)
+            for start, slot, target in zip(starts, in_chunk, chunk_targets)
+        )
         position = np.empty(len(slots), dtype=np.int64)
-        position[np.concatenate(concatenated or [np.zeros(0, np.int64)])] = np.arange(len(slots))
-        return tuple(chunks), host_to_device(position, self.device)
+        position[order] = np.arange(len(slots))
+        return chunks, host_to_device(position, self.device)
 
     def attention_key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
         """Keys visible to each block of ``block_size`` consecutive queries.
