@@ -491,6 +491,7 @@ def first_step_child(pattern, args):
     ``--first-step-precompile`` of the attention kernels, the first step, and the first steps at
     new row lengths (as extra seconds over the same step repeated)."""
     from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
+    from megatron.shared_prefix.ssm.mamba_mixer import precompile_tree_mamba
     from megatron.shared_prefix.training.distributed import init_single_process
 
     times = {"imports_s": time.perf_counter() - _PROCESS_START}
@@ -506,6 +507,7 @@ def first_step_child(pattern, args):
             dtype=model.config.params_dtype,
             device="cuda",
         )
+        precompile_tree_mamba(model, args.capacity, dtype=model.config.params_dtype, device="cuda")
         torch.cuda.synchronize()
     times["precompiled_s"] = time.perf_counter() - _PROCESS_START
     sequences, masks = batches()["GRPO star P=4096, C=1024, G=16"]
@@ -622,10 +624,10 @@ def markdown(tables, first, command, args):
             "First step in a fresh process (`--first-step "
             f"{first['pattern']}`, GRPO star batch; seconds from process start; cold: empty "
             "Inductor and Triton caches, warm: the caches of the cold run of the same mode; "
-            "precompile: `--shared-prefix-precompile` of the tree attention kernels for rows up "
-            f"to {args.capacity} tokens, done by precompiled_s; new lengths: extra seconds of the "
-            "first step at row lengths not seen before, over the same step repeated: 20096 and "
-            "20352 tokens (not buckets), then 24576 (a bucket)):",
+            "precompile: `--shared-prefix-precompile` of the tree attention and Mamba kernels "
+            f"for rows up to {args.capacity} tokens, done by precompiled_s; new lengths: extra "
+            "seconds of the first step at row lengths not seen before, over the same step "
+            "repeated: 20096 and 20352 tokens (not buckets), then 24576 (a bucket)):",
             "",
         ]
         keys = (

@@ -6,6 +6,9 @@ exactly megatron-core's MambaMixer.
 
 import math
 
+import numpy as np
+import torch
+
 from megatron.shared_prefix.cpu import install_mamba_ssm_fallback
 
 install_mamba_ssm_fallback()
@@ -101,6 +104,43 @@ class TreeMambaMixer(MambaMixer):
         if errors:
             raise ValueError("TreeMambaMixer cannot run this forest forward: " + "; ".join(errors))
 
+    def scan_signature(self) -> tuple:
+        """What the kernels of this layer's forest path are compiled for, besides the row: its
+        per-rank widths (inner, groups, heads, head dim, state), chunk size, conv width and
+        activation, gate, D's shape, scan backend and state dtype. Layers with equal signatures
+        run the same kernel variants."""
+        return (
+            self.cp.d_inner_local_tpcp,
+            self.cp.ngroups_local_tpcp,
+            self.cp.nheads_local_tpcp,
+            self.headdim,
+            self.d_state,
+            self.chunk_size,
+            self.d_conv,
+            self.activation,
+            self.rmsnorm,
+            self.D_has_hdim,
+            self.tree_scan_backend,
+            str(self.mamba_training_ssm_states_dtype),
+        )
+
+    def warm_up(self, num_tokens: int, *, dtype: torch.dtype, device) -> None:
+        """Run this layer's forest path between the projections (conv, tree scan, forked states,
+        gated norm) forward and backward on a random ``num_tokens``-token row, so that every
+        kernel variant it needs at that length is compiled. Only the random input's gradient is
+        taken: no parameter gradient is written. The row is a prefix tree of depth three
+        (``warmup_forest``), which runs every kernel of the forked states."""
+        width = 2 * self.cp.d_inner_local_tpcp + 2 * self.cp.ngroups_local_tpcp * self.d_state
+        width += self.cp.nheads_local_tpcp
+        generator = torch.Generator(device=device).manual_seed(num_tokens)
+        zxBCdt = torch.randn(
+            num_tokens, 1, width, generator=generator, device=device, dtype=dtype
+        ).requires_grad_()
+        y, z = self._tree_ssm(zxBCdt, warmup_forest(num_tokens, device))
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        torch.autograd.grad(y, zxBCdt, grad_outputs=torch.randn_like(y))
+
     def _tree_ssm(self, zxBCdt, forest: ForestTensors):
         """[T, 1, d_proj] projected inputs of the whole row -> ([T, 1, d_inner] SSM output, gated
         unless the gate is the norm's; [T, 1, d_inner] gate input of the norm, or None)."""
@@ -149,3 +189,77 @@ class TreeMambaMixer(MambaMixer):
         if self.rmsnorm:
             return y, z.reshape(1, length, inner).transpose(0, 1).contiguous()
         return y, None
+
+
+def warmup_forest(num_tokens: int, device) -> ForestTensors:
+    """A ``num_tokens``-token row (at least 5) of three sequences that share a prefix, two of them
+    a second segment as well: a root, one internal child with two leaves, and a leaf."""
+    from megatron.shared_prefix.planning import plan_shared_prefix
+
+    branch = max(1, num_tokens // 8)
+    prefix = np.zeros(num_tokens - 4 * branch, dtype=np.int64)
+    segment = [np.full(branch, token, dtype=np.int64) for token in (1, 2, 3, 4)]
+    sequences = [
+        np.concatenate([prefix, segment[0], segment[1]]),
+        np.concatenate([prefix, segment[0], segment[2]]),
+        np.concatenate([prefix, segment[3]]),
+    ]
+    (row,) = plan_shared_prefix(sequences, capacity=num_tokens).rows
+    return ForestTensors.from_layout(row, device)
+
+
+def _twos(value: int) -> int:
+    """Factors of 2 in ``value``, counted up to 4."""
+    return min(4, (value & -value).bit_length() - 1)
+
+
+def scan_warmup_lengths(chunk_size: int, max_tokens: int) -> tuple[int, ...]:
+    """Row lengths, up to ``max_tokens``, that give mamba_ssm's scan kernels every class of their
+    integer arguments: for chunk counts 1, 2, 3, every power of two and the count of
+    ``max_tokens`` itself, the longest length of that chunk count with each number of factors of
+    2 (0 to 4 or more).
+
+    Triton compiles a variant of a kernel per combination of the classes of its integer arguments
+    (1, a multiple of 16, anything else). The scan's arguments include the row length, strides that
+    are its products with the layer's widths (a multiple of 16 or not according to the factors of 2
+    of the length), the chunk count, and values that mamba_ssm derives from the chunk count and the
+    GPU's number of multiprocessors (heads per program of some backward kernels, which grow with the
+    chunk count up to the heads per group), hence the doubling chunk counts.
+    """
+    num_chunks = -(-max_tokens // chunk_size)
+    counts = sorted({1, 2, 3, num_chunks} | {1 << j for j in range(num_chunks.bit_length())})
+    lengths = []
+    for chunks in (count for count in counts if count <= num_chunks):
+        top = min(chunks * chunk_size, max_tokens)
+        classes = {}
+        for length in range(top, max((chunks - 1) * chunk_size, 4), -1):
+            classes.setdefault(_twos(length), length)
+            if len(classes) == 5:
+                break
+        lengths += sorted(classes.values(), reverse=True)
+    return tuple(lengths)
+
+
+def precompile_tree_mamba(
+    model: torch.nn.Module, max_tokens: int, *, dtype: torch.dtype, device
+) -> tuple[int, ...]:
+    """Compile, before training, the Triton kernels that the model's Mamba layers run on forest
+    rows of up to ``max_tokens`` tokens: one ``TreeMambaMixer.warm_up`` per distinct
+    ``scan_signature`` at each of ``scan_warmup_lengths``. Afterwards a row of a new length
+    compiles nothing in these layers (the forked-state kernels are not specialized on the forest's
+    counts, ssm/triton_inherited_state.py). On CPU (the torch scan) it compiles nothing and only
+    runs the layers.
+
+    Returns:
+        The row lengths run (empty when the model has no Mamba layer).
+    """
+    mixers = {}
+    for module in model.modules():
+        if isinstance(module, TreeMambaMixer):
+            mixers.setdefault(module.scan_signature(), module)
+    lengths = ()
+    for mixer in mixers.values():
+        lengths = scan_warmup_lengths(mixer.chunk_size, max_tokens)
+        for num_tokens in lengths:
+            mixer.warm_up(num_tokens, dtype=dtype, device=device)
+    return lengths

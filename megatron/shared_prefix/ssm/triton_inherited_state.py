@@ -36,6 +36,11 @@ forest). Every output element is written by exactly one program and every reduct
 fixed order (a state sum: fixed splits of each parent's tokens, then the splits added in index
 order), so results are bitwise reproducible; there are no atomics.
 
+The counts that change with every forest (blocks, splits, slots) are ``do_not_specialize``:
+Triton otherwise compiles a variant of a kernel per class of an integer argument (1, a multiple
+of 16, anything else), which on an H200 made the first row of a new shape compile again in the
+middle of training (tools/bench_model.py ``--first-step``). They only bound loops and masks.
+
 Shapes: T packed tokens, H heads in G groups (R = H / G heads per group), head dim P, state dim N,
 S internal (parent) segments.
 """
@@ -160,7 +165,7 @@ def _load_state(ptr, slot, head, stride_slot, stride_h, stride_p, stride_n, head
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_blocks",))
 def _token_product_kernel(
     out_ptr, y_ptr, z_ptr, C_ptr, w_ptr, states_ptr, blocks_ptr, tokens_ptr,
     num_blocks, heads_per_group, head_dim, state_dim,
@@ -207,7 +212,7 @@ def _token_product_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_blocks",))
 def _token_grad_kernel(
     grad_C_ptr, grad_w_ptr, grad_z_ptr, v_ptr, z_ptr, C_ptr, w_ptr, states_ptr,
     blocks_ptr, tokens_ptr,
@@ -272,7 +277,7 @@ def _token_grad_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_blocks", "num_splits"))
 def _state_sum_kernel(
     partial_ptr, v_ptr, z_ptr, C_ptr, w_ptr, blocks_ptr, splits_ptr, tokens_ptr,
     num_blocks, num_splits, heads_per_group, head_dim, state_dim,
@@ -315,7 +320,7 @@ def _state_sum_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_slots",))
 def _sum_splits_kernel(out_ptr, partial_ptr, slot_splits_ptr, num_slots, size,
                        BLOCK: tl.constexpr):  # fmt: skip
     """Program (slot, chunk): out[slot] = sum of partial[first split .. end split) in order."""
@@ -445,7 +450,7 @@ def _segment_decay_bwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_slots",))
 def _chain_fwd_kernel(ends_ptr, own_ptr, cum_end_ptr, slot_segment_ptr, slot_parent_ptr,
                       num_slots, num_heads, size, BLOCK: tl.constexpr):  # fmt: skip
     """Program (head, chunk): ends[s] = own[s] + exp(cum_end[segment(s)]) * ends[parent(s)], slots
@@ -466,7 +471,7 @@ def _chain_fwd_kernel(ends_ptr, own_ptr, cum_end_ptr, slot_segment_ptr, slot_par
         tl.store(ends_ptr + (slot * num_heads + head) * size + offsets, value, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_slots",))
 def _chain_bwd_kernel(grad_own_ptr, grad_decay_partial_ptr, grad_ends_ptr, ends_ptr, cum_end_ptr,
                       slot_segment_ptr, slot_parent_ptr, num_slots, num_heads, size,
                       BLOCK: tl.constexpr):  # fmt: skip

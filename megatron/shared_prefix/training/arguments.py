@@ -169,12 +169,14 @@ def add_shared_prefix_args(
         "--shared-prefix-precompile",
         choices=("off", "dynamic", "buckets"),
         default="off",
-        help="Compile the tree attention (FlexAttention) kernels before the first step, so that "
-        "no row length compiles during training: dynamic: one dynamic-shape kernel that every "
-        "row runs (one compile); buckets: also a static kernel, a few percent faster, for each of "
-        "the about four bucket lengths per octave up to the row capacity (one compile each; "
-        "kept in the Inductor and Triton caches for later runs); off (default): each bucket "
-        "length compiles when a row first has it.",
+        help="Compile the tree attention (FlexAttention) kernels and the Mamba layers' Triton "
+        "kernels before the first step, so that no row length compiles during training: "
+        "dynamic: one dynamic-shape attention kernel that every row runs (one compile); "
+        "buckets: also a static attention kernel, a few percent faster, for each of the about "
+        "four bucket lengths per octave up to the row capacity (one compile each; kept in the "
+        "Inductor and Triton caches for later runs); the Mamba kernels are compiled for every "
+        "class of row length either way; off (default): kernels compile when a row first needs "
+        "them.",
     )
     group.add_argument(
         "--shared-prefix-output-chunk-tokens",

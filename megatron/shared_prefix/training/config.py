@@ -423,22 +423,22 @@ class RunConfig:
 
 
 def _precompile_mode(args: argparse.Namespace, trainer: str) -> str:
-    """``--shared-prefix-precompile``, refused where there is no tree attention kernel to
-    compile."""
+    """``--shared-prefix-precompile``, refused where there is no kernel to compile (dense
+    micro-batches, or no CUDA)."""
     mode = args.shared_prefix_precompile
     if mode == "off":
         return mode
     flag = f"--shared-prefix-precompile {mode}"
     _require(
         args.shared_prefix_packing,
-        f"{flag} with --no-shared-prefix-packing: dense micro-batches run no tree attention",
+        f"{flag} with --no-shared-prefix-packing: dense micro-batches run no tree kernels",
     )
     import torch
 
     _require(
         trainer == "megatron" or torch.cuda.is_available(),
-        f"{flag} needs CUDA: tree attention compiles FlexAttention kernels only there "
-        "(the CPU runs the torch backend, nothing to compile)",
+        f"{flag} needs CUDA: the tree attention (FlexAttention) and Mamba (Triton) kernels "
+        "compile only there (the CPU runs the torch backends, nothing to compile)",
     )
     return mode
 

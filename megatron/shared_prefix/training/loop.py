@@ -47,7 +47,7 @@ from megatron.shared_prefix.training.model import (
     forward_micro_batch,
     mtp_loss_sum,
     padded_vocab_size,
-    precompile_attention,
+    precompile_kernels,
     record_mtp_metrics,
     report_mtp_losses,
     transformer_config,
@@ -334,7 +334,7 @@ class _Trainer:
             f"{config.batch.global_batch_size} examples, row capacity {config.batch.capacity} "
             "tokens"
         )
-        precompile_attention(self.model, config, device, log)
+        precompile_kernels(self.model, config, device, log)
 
     def _resume(self, header: Optional[CheckpointHeader]) -> TrainingPosition:
         """Restore what ``header`` describes (signature checked) and return the position to start

@@ -61,7 +61,7 @@ from megatron.shared_prefix.training.model import (
     forward_micro_batch,
     micro_batch_units,
     mtp_loss_sum,
-    precompile_attention,
+    precompile_kernels,
     record_mtp_metrics,
     weighted_loss_sum,
 )
@@ -354,7 +354,7 @@ class MegatronSession:
             # Once per process: a model of virtual pipeline stages is built a chunk at a time.
             from megatron.training.utils import print_rank_0
 
-            precompile_attention(model, self.config, self.device, print_rank_0)
+            precompile_kernels(model, self.config, self.device, print_rank_0)
             self._precompiled = True
         return model
 

@@ -36,7 +36,7 @@ from megatron.shared_prefix.training.batching import (
 __all__ = [
     "transformer_config",
     "build_model",
-    "precompile_attention",
+    "precompile_kernels",
     "forward_micro_batch",
     "weighted_loss_sum",
     "mtp_loss_sum",
@@ -116,30 +116,35 @@ def build_model(
     )
 
 
-def precompile_attention(model: torch.nn.Module, config, device: torch.device, log) -> None:
-    """``--shared-prefix-precompile``: compile the model's tree attention kernels for rows up to
-    the row capacity before the first step (``precompile_tree_attention``), and log what it took.
+def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log) -> None:
+    """``--shared-prefix-precompile``: compile, before the first step, the model's tree attention
+    kernels (``precompile_tree_attention``) and its Mamba layers' Triton kernels
+    (``precompile_tree_mamba``) for rows up to the row capacity, and log what each took.
 
     Args:
         config: the run's RunConfig (its ``precompile`` mode and row capacity).
-        log: where the one-line report goes.
+        log: where the one-line reports go.
     """
     from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
+    from megatron.shared_prefix.ssm.mamba_mixer import precompile_tree_mamba
 
     if config.precompile == "off":
         return
+    capacity = config.batch.capacity
     start = time.perf_counter()
     lengths = precompile_tree_attention(
-        model,
-        config.batch.capacity,
-        mode=config.precompile,
-        dtype=model.config.params_dtype,
-        device=device,
+        model, capacity, mode=config.precompile, dtype=model.config.params_dtype, device=device
     )
     log(
         f"[shared-prefix] precompiled tree attention ({config.precompile}): kernels for "
-        f"{len(lengths)} row lengths, rows up to {config.batch.capacity} tokens, in "
+        f"{len(lengths)} row lengths, rows up to {capacity} tokens, in "
         f"{time.perf_counter() - start:.1f} s"
+    )
+    start = time.perf_counter()
+    lengths = precompile_tree_mamba(model, capacity, dtype=model.config.params_dtype, device=device)
+    log(
+        f"[shared-prefix] precompiled tree Mamba: rows of {len(lengths)} lengths "
+        f"{list(lengths)}, in {time.perf_counter() - start:.1f} s"
     )
 
 

@@ -436,3 +436,37 @@ def test_checkpoint_of_the_earlier_single_file_format_still_resumes(
     assert any("resumed from" in line and "iteration 2" in line for line in lines)
     assert [m.iteration for m in resumed] == [3]
     assert resumed[0].loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkeypatch):
+    """--shared-prefix-precompile: both warm-ups for rows up to the capacity, one log line each;
+    off compiles nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron.shared_prefix.attention import dot_product_attention
+    from megatron.shared_prefix.ssm import mamba_mixer
+    from megatron.shared_prefix.training.model import precompile_kernels
+
+    calls = []
+    monkeypatch.setattr(
+        dot_product_attention,
+        "precompile_tree_attention",
+        lambda model, tokens, **kw: calls.append(("attention", tokens, kw["mode"])) or (1024,),
+    )
+    monkeypatch.setattr(
+        mamba_mixer,
+        "precompile_tree_mamba",
+        lambda model, tokens, **kw: calls.append(("mamba", tokens, kw["dtype"])) or (128, 127),
+    )
+    model = SimpleNamespace(config=SimpleNamespace(params_dtype=torch.bfloat16))
+    config = SimpleNamespace(precompile="dynamic", batch=SimpleNamespace(capacity=4096))
+    lines = []
+    precompile_kernels(model, config, "cuda", lines.append)
+    assert calls == [("attention", 4096, "dynamic"), ("mamba", 4096, torch.bfloat16)]
+    assert "precompiled tree attention (dynamic): kernels for 1 row lengths" in lines[0]
+    assert "precompiled tree Mamba: rows of 2 lengths [128, 127]" in lines[1]
+    calls.clear()
+    precompile_kernels(model, SimpleNamespace(precompile="off"), "cuda", lines.append)
+    assert calls == [] and len(lines) == 2

@@ -140,6 +140,7 @@ ENTRIES = [
         tests=(
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_scan_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_mixer_warm_up_changes_no_bit_of_training",
             "tests/unit_tests/distributed/test_parallel_forests.py",
         ),
         kind="external kernel",

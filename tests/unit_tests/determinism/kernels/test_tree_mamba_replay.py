@@ -122,8 +122,8 @@ def test_tree_scan_replay(device, gate, row):
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_tree_mamba_mixer_replay(megatron_world, device):
+def _mixer(device):
+    """A float32 TreeMambaMixer of HEADS heads on ``device``, seeded."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -131,7 +131,6 @@ def test_tree_mamba_mixer_replay(megatron_world, device):
 
     from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
 
-    forest = replay_forest(device)
     torch.manual_seed(0)
     if torch.cuda.is_available():  # the mixer initializes parameters in the tracker's CUDA fork
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -150,13 +149,19 @@ def test_tree_mamba_mixer_replay(megatron_world, device):
         attention_dropout=0.0,
         gradient_accumulation_fusion=False,
     )
-    mixer = TreeMambaMixer(
+    return TreeMambaMixer(
         config,
         MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
         d_model=32,
         chunk_size=CHUNK,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
     ).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_mamba_mixer_replay(megatron_world, device):
+    forest = replay_forest(device)
+    mixer = _mixer(device)
 
     def make_inputs():
         return _param(forest.num_tokens, 1, 32, device=device)
@@ -166,6 +171,36 @@ def test_tree_mamba_mixer_replay(megatron_world, device):
             return mixer(hidden_states)[0]
 
     assert_bitwise_replay(fn, make_inputs, module=mixer, concurrent_stream_work=device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixer_warm_up_changes_no_bit_of_training(megatron_world, device):
+    """``warm_up`` (what ``--shared-prefix-precompile`` runs at start-up) at every warm-up length
+    leaves the next forward and backward bitwise what they are without it, and no parameter
+    gradient behind."""
+    from megatron.shared_prefix.ssm.mamba_mixer import scan_warmup_lengths
+
+    forest = replay_forest(device)
+    mixer = _mixer(device)
+    hidden = _param(forest.num_tokens, 1, 32, device=device)
+
+    def step():
+        mixer.zero_grad(set_to_none=True)
+        hidden.grad = None
+        with forest_scope(fresh(forest)):
+            out = mixer(hidden)[0]
+        out.backward(torch.cos(out.detach()))
+        return [out.detach(), hidden.grad] + [p.grad for p in mixer.parameters()]
+
+    before = step()
+    mixer.zero_grad(set_to_none=True)
+    lengths = scan_warmup_lengths(CHUNK, 512)
+    assert len(lengths) == 35
+    for num_tokens in lengths:
+        mixer.warm_up(num_tokens, dtype=torch.float32, device=device)
+    assert all(p.grad is None for p in mixer.parameters())
+    after = step()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 @pytest.mark.gpu

@@ -302,3 +302,52 @@ def test_bf16_mixer_on_cuda_is_as_close_to_float32_as_dense(
         print(f"{name}: tree {tree_error:.2e}, dense {dense_error:.2e}")
         assert tree_error <= max(2 * dense_error, 2.0**-8), name
     assert np.isfinite(float(tree.float().sum()))
+
+
+def tiny_mamba_model(pattern="M*M"):
+    from tiny import tiny_config
+
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+
+    torch.manual_seed(0)
+    return SharedPrefixHybridModel(
+        tiny_config(num_layers=len(pattern)),
+        hybrid_stack_spec=hybrid_stack_spec(),
+        vocab_size=64,
+        max_sequence_length=512,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="rope",
+    )
+
+
+def test_precompile_tree_mamba_warms_one_layer_per_signature_and_writes_no_gradient(
+    megatron_world, monkeypatch
+):
+    """``precompile_tree_mamba`` (--shared-prefix-precompile): one layer per scan signature, at
+    every warm-up length; the parameters and their gradients are untouched."""
+    from megatron.shared_prefix.ssm.mamba_mixer import (
+        TreeMambaMixer,
+        precompile_tree_mamba,
+        scan_warmup_lengths,
+    )
+
+    model = tiny_mamba_model()
+    mixers = [m for m in model.modules() if isinstance(m, TreeMambaMixer)]
+    assert len(mixers) == 2 and len({m.scan_signature() for m in mixers}) == 1
+    warmed = []
+    real_warm_up = TreeMambaMixer.warm_up
+
+    def recording_warm_up(self, num_tokens, **kwargs):
+        warmed.append((self, num_tokens))
+        real_warm_up(self, num_tokens, **kwargs)
+
+    monkeypatch.setattr(TreeMambaMixer, "warm_up", recording_warm_up)
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    lengths = precompile_tree_mamba(model, 300, dtype=torch.float32, device="cpu")
+    assert lengths == scan_warmup_lengths(mixers[0].chunk_size, 300) and lengths
+    assert warmed == [(mixers[0], n) for n in lengths]
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, state[name]) for name, p in model.named_parameters())
+    assert (
+        precompile_tree_mamba(tiny_mamba_model("**"), 300, dtype=torch.float32, device="cpu") == ()
+    )
