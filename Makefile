@@ -33,7 +33,7 @@ test: $(STAMP)
 
 # The gpu-marked tests on a CUDA machine (torch.compile on, mamba_ssm autotuning off).
 test-gpu: $(STAMP)
-	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu
+	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu --durations=20
 
 train: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) pretrain_hybrid.py --shared-prefix-packing
