@@ -245,10 +245,10 @@ def precompile_tree_mamba(
 ) -> tuple[int, ...]:
     """Compile, before training, the Triton kernels that the model's Mamba layers run on forest
     rows of up to ``max_tokens`` tokens: one ``TreeMambaMixer.warm_up`` per distinct
-    ``scan_signature`` at each of ``scan_warmup_lengths``. Afterwards a row of a new length
-    compiles nothing in these layers (the forked-state kernels are not specialized on the forest's
-    counts, ssm/triton_inherited_state.py). On CPU (the torch scan) it compiles nothing and only
-    runs the layers.
+    ``scan_signature`` at each of ``scan_warmup_lengths``, so that a row of a new length compiles
+    nothing in these layers (the forked-state kernels are not specialized on the forest's counts,
+    ssm/triton_inherited_state.py; docs/training.md has what was measured). On CPU (the torch
+    scan) it compiles nothing and only runs the layers.
 
     Returns:
         The row lengths run (empty when the model has no Mamba layer).
