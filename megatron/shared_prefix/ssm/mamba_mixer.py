@@ -257,9 +257,9 @@ def precompile_tree_mamba(
     for module in model.modules():
         if isinstance(module, TreeMambaMixer):
             mixers.setdefault(module.scan_signature(), module)
-    lengths = ()
+    lengths = {}  # every length run, in order (layers of other chunk sizes add theirs)
     for mixer in mixers.values():
-        lengths = scan_warmup_lengths(mixer.chunk_size, max_tokens)
-        for num_tokens in lengths:
+        for num_tokens in scan_warmup_lengths(mixer.chunk_size, max_tokens):
             mixer.warm_up(num_tokens, dtype=dtype, device=device)
-    return lengths
+            lengths[num_tokens] = None
+    return tuple(lengths)

@@ -175,10 +175,10 @@ def test_tree_mamba_mixer_replay(megatron_world, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixer_warm_up_changes_no_bit_of_training(megatron_world, device):
-    """``warm_up`` (what ``--shared-prefix-precompile`` runs at start-up) at every warm-up length
-    leaves the next forward and backward bitwise what they are without it, and no parameter
-    gradient behind."""
-    from megatron.shared_prefix.ssm.mamba_mixer import scan_warmup_lengths
+    """``precompile_tree_mamba`` (what ``--shared-prefix-precompile`` runs at start-up: ``warm_up``
+    at every warm-up length) leaves the next forward and backward bitwise what they are without
+    it, and no parameter gradient behind."""
+    from megatron.shared_prefix.ssm.mamba_mixer import precompile_tree_mamba, scan_warmup_lengths
 
     forest = replay_forest(device)
     mixer = _mixer(device)
@@ -194,10 +194,9 @@ def test_mixer_warm_up_changes_no_bit_of_training(megatron_world, device):
 
     before = step()
     mixer.zero_grad(set_to_none=True)
-    lengths = scan_warmup_lengths(CHUNK, 512)
+    lengths = precompile_tree_mamba(mixer, 512, dtype=torch.float32, device=device)
+    assert lengths == scan_warmup_lengths(CHUNK, 512)
     assert len(lengths) == 35
-    for num_tokens in lengths:
-        mixer.warm_up(num_tokens, dtype=torch.float32, device=device)
     assert all(p.grad is None for p in mixer.parameters())
     after = step()
     assert all(torch.equal(a, b) for a, b in zip(before, after))
