@@ -52,9 +52,11 @@ layer. tools/bench_mamba.py times both.
 
 Backends: the packed scan is ``torch_ssd.mamba_chunk_scan_combined`` (pure torch, any device: the
 CPU path and the oracle) or mamba_ssm's Triton ``mamba_chunk_scan_combined`` (CUDA); both are
-called identically. The correction is Triton with the Triton scan and plain torch with torch_ssd
-(the Triton kernels round the float32 state, or weighted input, to the input dtype before the
-product, as mamba_ssm does for the states it passes between chunks). Gathers with repeated indices
+called identically. Without a gate, the Triton scan runs through mamba_ssm's own forward and
+backward functions in ``_UngatedChunkScan``, which keeps nothing of the output's size for backward
+(the norm keeps the corrected output; see there). The correction is Triton with the Triton scan
+and plain torch with torch_ssd (the Triton kernels round the float32 state, or weighted input, to
+the input dtype before the product, as mamba_ssm does for the states it passes between chunks). Gathers with repeated indices
 are kept out of the backward (see ``_per_token``); like mamba_ssm's own backward kernels, the float
 accumulations left (cumulative sums, matrix products) are bitwise reproducible under
 ``torch.use_deterministic_algorithms(True)``.
@@ -62,6 +64,7 @@ accumulations left (cumulative sums, matrix products) are bitwise reproducible u
 
 import dataclasses
 import math
+import sys
 from typing import Optional
 
 import numpy as np
@@ -88,6 +91,50 @@ def triton_chunk_scan():
     if getattr(ssd_combined, "__shared_prefix_fallback__", False):
         return None
     return ssd_combined.mamba_chunk_scan_combined
+
+
+def _ungated_scan_functions(scan):
+    """mamba_ssm's (forward, backward) functions behind ``scan`` when ``scan`` is its Triton
+    ``mamba_chunk_scan_combined`` and the module has them, else None."""
+    module = sys.modules.get(getattr(scan, "__module__", None) or "")
+    if module is None or scan is not getattr(module, "mamba_chunk_scan_combined", None):
+        return None
+    forward = getattr(module, "_mamba_chunk_scan_combined_fwd", None)
+    backward = getattr(module, "_mamba_chunk_scan_combined_bwd", None)
+    return None if forward is None or backward is None else (forward, backward)
+
+
+class _UngatedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-method
+    """mamba_ssm's Triton chunk scan without a gate (z None), keeping for backward only what its
+    backward reads: x, dt, A, B, C, D and seq_idx.
+
+    mamba_ssm's ``MambaChunkScanCombinedFn`` also keeps its output y [1, T, h, p] (its backward
+    reads it only to gate z) and the chunked cumulative decay (which its backward recomputes). On a
+    forest, y is corrected out of place at the child tokens (the forked states) and the gate's norm
+    keeps the corrected copy, so the stock function would hold a second activation of y's size per
+    layer that a packed dense row (whose y is the norm's input itself) does not hold. This runs the
+    same forward and backward functions, so outputs and gradients are bitwise the stock function's.
+
+    Inputs: as ``mamba_chunk_scan_combined`` (dt processed: no bias, no softplus), then chunk_size
+    and mamba_ssm's (forward, backward) of :func:`_ungated_scan_functions`.
+    """
+
+    @staticmethod
+    # pylint: disable-next=arguments-differ
+    def forward(ctx, x, dt, A, B, C, D, seq_idx, chunk_size, functions):
+        forward, ctx.scan_backward = functions
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(x, dt, A, B, C, D, seq_idx)
+        return forward(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)[0]
+
+    @staticmethod
+    def backward(ctx, grad_y):  # pylint: disable=arguments-differ
+        x, dt, A, B, C, D, seq_idx = ctx.saved_tensors
+        # Its output argument: without z the backward reads only its shape, which is x's.
+        grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, *_ = ctx.scan_backward(
+            grad_y, x, dt, A, B, C, x, ctx.chunk_size, D=D, seq_idx=seq_idx
+        )
+        return grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, None, None, None
 
 
 def packed_chunk_scan(backend: str, device: torch.device):
@@ -280,19 +327,23 @@ def tree_ssd_scan(
     )
 
     # y0: zero initial state at every segment start (seq_idx changes there), D skip and gate fused.
-    y = mamba_chunk_scan_combined(
-        x,
-        dt,
-        A,
-        B,
-        C,
-        chunk_size,
-        D=D,
-        z=z,
-        seq_idx=plan.seq_idx,
-        dt_softplus=False,
-        **(scan_kwargs or {}),
-    )
+    ungated = _ungated_scan_functions(mamba_chunk_scan_combined)
+    if ungated is not None and z is None and not scan_kwargs:
+        y = _UngatedChunkScan.apply(x, dt, A, B, C, D, plan.seq_idx, chunk_size, ungated)
+    else:
+        y = mamba_chunk_scan_combined(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            D=D,
+            z=z,
+            seq_idx=plan.seq_idx,
+            dt_softplus=False,
+            **(scan_kwargs or {}),
+        )
     if not plan.internal:
         return y
 

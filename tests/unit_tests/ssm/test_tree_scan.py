@@ -386,3 +386,78 @@ def test_triton_tree_is_as_close_to_exact_as_dense_mamba_ssm(forest_sequences, d
         print(f"{dtype} {name}: tree {tree_error:.2e}, dense {dense_error:.2e}")
         assert tree_error <= max(2 * dense_error, floor), name
     assert math.isfinite(float(tree.float().sum()))
+
+
+def kept_storages(run):
+    """(output of ``run()``, {storage address: bytes} of the distinct storages that autograd keeps
+    for backward)."""
+    kept = {}
+
+    def pack(tensor):
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return out, kept
+
+
+@pytest.mark.gpu
+@needs_triton_scan
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ungated_triton_scan_is_mamba_ssm_scan_keeping_less(forest_sequences, dtype):
+    """Without a gate, the tree's packed scan runs mamba_ssm's forward and backward functions
+    (``_UngatedChunkScan``): outputs and every gradient bitwise those of mamba_ssm's
+    ``mamba_chunk_scan_combined``, while autograd keeps at least the output's size less."""
+    from megatron.shared_prefix.ssm import tree_scan
+
+    _, layout, forest = gpu_forest(forest_sequences)
+    inputs = gpu_inputs(layout.num_tokens, dtype, z=False, dt_bias=False, softplus=False)
+    scan_inputs_ = {k: inputs[k] for k in ("x", "dt", "A", "B", "C", "D")}
+    seq_idx = TreeScanPlan.of(forest).seq_idx
+    probe = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(5)).cuda()
+    stock_scan = triton_chunk_scan()
+    functions = tree_scan._ungated_scan_functions(stock_scan)
+    assert functions is not None
+    stock, stock_kept = kept_storages(
+        lambda: stock_scan(chunk_size=64, seq_idx=seq_idx, **scan_inputs_)
+    )
+    ungated, ungated_kept = kept_storages(
+        lambda: tree_scan._UngatedChunkScan.apply(*scan_inputs_.values(), seq_idx, 64, functions)
+    )
+    assert torch.equal(ungated, stock)
+    assert stock.untyped_storage().data_ptr() in stock_kept
+    assert ungated.untyped_storage().data_ptr() not in ungated_kept
+    assert sum(stock_kept.values()) - sum(ungated_kept.values()) >= stock.nbytes
+    stock_grads = grads_of(stock.float(), scan_inputs_, probe)
+    ungated_grads = grads_of(ungated.float(), scan_inputs_, probe)
+    for name, want in stock_grads.items():
+        assert torch.equal(ungated_grads[name], want), name
+
+
+@pytest.mark.gpu
+@needs_triton_scan
+def test_forked_states_keep_little_more_per_token_than_a_row_of_roots(forest_sequences):
+    """Memory of the forked states: per token, the Triton tree scan of a depth-3 forest keeps for
+    backward (its output included) at most what a row of the same sequences as separate roots
+    keeps, plus the correction's [T, h] float32 tables (log-decay and input weight, and slack for
+    a third) and its [slots, h, p, n] float32 states. Keeping the uncorrected output as well (the
+    stock scan's saved output) would exceed that by the output's size."""
+    sequences, layout, forest = gpu_forest(forest_sequences)
+    roots = [np.concatenate([[10**6 + k], s]) for k, s in enumerate(sequences)]
+    root_layout, root_forest = make_forest(roots, pad_multiple=64, device="cuda")
+    assert (root_layout.segment_parents == -1).all()
+    per_token = {}
+    for name, row, row_forest in (("tree", layout, forest), ("roots", root_layout, root_forest)):
+        inputs = gpu_inputs(row.num_tokens, torch.bfloat16, z=False)
+        out, kept = kept_storages(
+            lambda inputs=inputs, row_forest=row_forest: tree_ssd_scan(
+                chunk_size=64, forest=row_forest, backend="triton", **inputs
+            )
+        )
+        kept[out.untyped_storage().data_ptr()] = out.nbytes  # the gate's norm keeps the output
+        per_token[name] = sum(kept.values()) / row.num_tokens
+    heads, head_dim, state_dim = 8, 32, 16  # gpu_inputs' widths
+    slots = len(TreeScanPlan.of(forest).internal)
+    allowance = 3 * heads * 4 + slots * heads * head_dim * state_dim * 4 / layout.num_tokens
+    assert per_token["tree"] <= per_token["roots"] + allowance, per_token

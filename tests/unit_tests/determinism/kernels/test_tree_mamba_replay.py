@@ -2,9 +2,10 @@
 
 Kernel-determinism coverage (tests/unit_tests/determinism/kernels/manifest.py, docs/determinism.md):
 the tree conv (F.conv1d, gathers along root paths, an out-of-place index_put), the tree scan (the
-packed chunk scan — torch_ssd on CPU, mamba_ssm's Triton kernel on CUDA — a float64 cumulative sum,
-the forked-state correction) and the mixer that chains them must give identical bits run after run,
-forward and backward, under PyTorch's deterministic settings. The forest has several internal
+packed chunk scan — torch_ssd on CPU, mamba_ssm's Triton kernel on CUDA, through its forward and
+backward functions when there is no gate — a float64 cumulative sum, the forked-state correction)
+and the mixer that chains them must give identical bits run after run, forward and backward, under
+PyTorch's deterministic settings. The forest has several internal
 segments, one-token segments, windows crossing two segment boundaries and padding; lengths are not
 multiples of the chunk size. Each replayed run builds the forest's index tables afresh
 (``fresh``): they are copied to the device without blocking the host (``host_to_device``), so a run
@@ -120,6 +121,21 @@ def test_tree_scan_replay(device, gate, row):
         )
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
+    if device == "cuda" and not gate:  # what replayed is the scan that keeps no output
+        assert "_UngatedChunkScanBackward" in _graph_nodes(fn(*make_inputs()))
+
+
+def _graph_nodes(tensor):
+    """Names of the autograd nodes behind ``tensor``."""
+    names, stack, seen = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
 
 
 def _mixer(device):
