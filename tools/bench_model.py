@@ -40,12 +40,15 @@ step counts), the median of ``--repeats`` steps after two warm-up steps.
 Usage:
     python tools/bench_model.py [--patterns moe,nemotron] [--repeats 5] [--first-step moe]
         [--mtp-num-layers N [--mtp-pattern '*-']] [--write docs/benchmarks.md] [--json log.json]
-        [--profile]
+        [--profile] [--kept-memory]
 
 With ``--mtp-num-layers N`` every pattern gets N multi-token prediction depths (the cost of MTP:
 tree against packed dense, both with MTP on), written to a section of its own; so does
 ``--output-chunk-tokens N`` (the model's ``shared_prefix_output_chunk_tokens``, tree and packed
-dense alike: the time and peak memory of the chunked, recomputed loss).
+dense alike: the time and peak memory of the chunked, recomputed loss). ``--kept-memory`` times
+nothing: it tabulates, per layer kind, the memory that autograd keeps for backward on the longest
+tree and packed dense rows (``kept_for_backward``), where a difference in peak memory per token is
+located.
 """
 
 import argparse
@@ -72,6 +75,7 @@ SECTION = "Whole model (tools/bench_model.py)"
 MTP_SECTION = "Whole model with MTP (tools/bench_model.py --mtp-num-layers)"
 CHUNK_SECTION = "Whole model with output chunks (tools/bench_model.py --output-chunk-tokens)"
 FIRST_STEP_SECTION = "Whole model: first step and compilation (tools/bench_model.py --first-step)"
+KEPT_SECTION = "Whole model: memory kept for backward (tools/bench_model.py --kept-memory)"
 
 # Layer patterns: attention + MoE heavy, and a Mamba-heavy Nemotron-H-like one (mostly M and -,
 # one attention layer in 13).
@@ -236,9 +240,9 @@ def model_config(pattern, hidden, heads, groups):
     from megatron.core.transformer import TransformerConfig
 
     moe = "E" in pattern
-    main = pattern.split("/")[0]
+    main_layers = pattern.split("/")[0]
     return TransformerConfig(
-        num_layers=len(main),
+        num_layers=len(main_layers),
         mtp_num_layers=pattern.count("/") or None,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -458,6 +462,88 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
     return record, timings
 
 
+def kept_for_backward(model, layout, pattern):
+    """{component: bytes} that autograd keeps for backward after one forest forward of ``layout``
+    (what a step holds at its peak besides weights, gradients and the backward's temporaries).
+
+    Every distinct storage that an autograd node saves counts once, for the component that saved
+    it first; parameters do not count. Components: the layer symbols of the main pattern (all
+    layers of a symbol together: M Mamba, * attention, - MLP, E MoE), "embedding", "MTP" (every
+    depth), and "output" (the final norm, the output layer and the loss: the rest of the model).
+    """
+    main_layers = pattern.split("/")[0]
+
+    def component(name):
+        parts = name.split(".")
+        if parts[0] in ("embedding", "rotary_pos_emb"):
+            return "embedding"
+        if name.startswith("decoder.layers."):
+            return main_layers[int(parts[2])]
+        return "MTP" if parts[0] == "mtp" else "output"
+
+    owner = {module: component(name) for name, module in model.named_modules()}
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    running, kept = ["output"], {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters and storage.data_ptr() not in kept:
+            kept[storage.data_ptr()] = (running[-1], storage.nbytes())
+        return tensor
+
+    def enter(module, _):
+        running.append(owner[module])
+
+    def leave(*_):
+        running.pop()
+
+    handles = []
+    for module in owner:
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(None, None, None, shared_prefix_layout=layout).sum()
+    finally:
+        for handle in handles:
+            handle.remove()
+    del loss
+    totals = {}
+    for name, size in kept.values():
+        totals[name] = totals.get(name, 0) + size
+    return totals
+
+
+def kept_memory_record(model, name, sequences, loss_masks, args, pattern):
+    """One row of the ``--kept-memory`` table: per component, MiB kept for backward per 1K tokens
+    of the longest tree row and of the longest packed dense row."""
+    tree_rows = plan_shared_prefix(
+        sequences, loss_masks, capacity=args.capacity, pad_multiple=PAD_MULTIPLE
+    ).rows
+    packed_rows = dense_rows(sequences, loss_masks, args.capacity)
+    record = {"batch": name}
+    kept = {}
+    for method, rows in (("tree", tree_rows), ("dense", packed_rows)):
+        longest = max(rows, key=lambda row: row.num_tokens)
+        record[f"{method} row tokens"] = longest.num_tokens
+        kept[method] = {
+            key: value / 2**20 / longest.num_tokens * 1000
+            for key, value in kept_for_backward(model, longest, pattern).items()
+        }
+    names = sorted(set(kept["tree"]) | set(kept["dense"]), key=_component_order)
+    for key in [*names, "total"]:
+        tree, dense = (
+            sum(kept[m].values()) if key == "total" else kept[m].get(key, 0.0)
+            for m in ("tree", "dense")
+        )
+        record[f"{key} tree/dense"] = f"{tree:.1f}/{dense:.1f}"
+    return record
+
+
+def _component_order(name):
+    order = ["embedding", "M", "*", "-", "E", "MTP", "output"]
+    return order.index(name) if name in order else len(order)
+
+
 def profile_step(model, rows, device, label):
     """Top CUDA kernels and the host synchronizations of one step over ``rows``."""
     from torch.profiler import ProfilerActivity, profile
@@ -569,6 +655,8 @@ def _first_steps(pattern, mode, args):
 
 
 def _section(args, tables):
+    if getattr(args, "kept_memory", False):
+        return KEPT_SECTION
     if args.mtp_num_layers:
         return MTP_SECTION
     if getattr(args, "output_chunk_tokens", 0):
@@ -592,30 +680,37 @@ def markdown(tables, first, command, args):
             f" Output chunks: the output layer and loss of every forest row (tree and packed "
             f"dense) run over {chunks} sources at a time, each chunk recomputed in the backward."
         )
-    lines = [
-        f"## {_section(args, tables)}",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Device: {torch.cuda.get_device_name()}. Model: hidden {args.hidden}, {args.heads} "
-        f"heads x 128 ({args.query_groups} key/value groups), MLP {4 * args.hidden}, 8 experts "
-        f"top-2 of {args.hidden}, Mamba 64-dim heads, state 128, 8 groups, vocabulary "
-        f"{args.vocab}, bf16; local (non-TE) modules. A step is forward+backward of every row "
-        f"of the batch (rows of at most {args.capacity} tokens, padded to a multiple of 128), "
-        "wall time, median of "
-        f"{args.repeats} steps. tree: prefix forests; packed dense: the same model, every "
-        "sequence its own root (THD packing); padded: the plain HybridModel forward on "
-        f"right-padded micro-batches of {args.capacity} // longest sequences (stock "
-        "DotProductAttention, unfused Mamba, output layer over every position). tok/s: logical "
-        "tokens per second. component ideal = dense / (token-wise / token ratio + attention / "
-        "pair ratio + output), the packed dense step split into its measured attention "
-        "(FlexAttention forward+backward at its row shapes), output layer + loss (same "
-        "targets: ratio 1; with MTP once per depth as well) and the rest (dense shares "
-        "column); tree token-wise / ideal and tree attention / ideal apply the same split to "
-        "the tree step. Peak: memory above "
-        "weights and gradients, and per 1K tokens of the longest row." + notes,
-        "",
-    ]
+    if getattr(args, "kept_memory", False):
+        setup = (
+            f"Device: {torch.cuda.get_device_name()}. Model as in the whole-model table (hidden "
+            f"{args.hidden}, vocabulary {args.vocab}, bf16). MiB that autograd keeps for backward "
+            "after the forward of the longest tree row and of the longest packed dense row of "
+            "each batch (distinct saved storages, parameters excluded, each counted for the "
+            "component that saved it first), per 1K tokens of that row; components: the layer "
+            "symbols of the pattern (all layers of a symbol together), embedding, MTP, and "
+            "output (final norm, output layer and loss)." + notes
+        )
+    else:
+        setup = (
+            f"Device: {torch.cuda.get_device_name()}. Model: hidden {args.hidden}, {args.heads} "
+            f"heads x 128 ({args.query_groups} key/value groups), MLP {4 * args.hidden}, 8 "
+            f"experts top-2 of {args.hidden}, Mamba 64-dim heads, state 128, 8 groups, "
+            f"vocabulary {args.vocab}, bf16; local (non-TE) modules. A step is forward+backward "
+            f"of every row of the batch (rows of at most {args.capacity} tokens, padded to a "
+            f"multiple of 128), wall time, median of {args.repeats} steps. tree: prefix forests; "
+            "packed dense: the same model, every sequence its own root (THD packing); padded: "
+            "the plain HybridModel forward on right-padded micro-batches of "
+            f"{args.capacity} // longest sequences (stock DotProductAttention, unfused Mamba, "
+            "output layer over every position). tok/s: logical tokens per second. component "
+            "ideal = dense / (token-wise / token ratio + attention / pair ratio + output), the "
+            "packed dense step split into its measured attention (FlexAttention "
+            "forward+backward at its row shapes), output layer + loss (same targets: ratio 1; "
+            "with MTP once per depth as well) and the rest (dense shares column); tree "
+            "token-wise / ideal and tree attention / ideal apply the same split to the tree "
+            "step. Peak: memory above weights and gradients, and per 1K tokens of the longest "
+            "row." + notes
+        )
+    lines = [f"## {_section(args, tables)}", "", f"Command: `{command}`", "", setup, ""]
     for pattern, rows in tables.items():
         lines += [f"Pattern `{model_pattern(pattern, args)}` ({pattern}):", ""]
         lines += markdown_table(rows) + [""]
@@ -677,6 +772,12 @@ def main():
     )
     parser.add_argument("--first-step-child", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile one tree and dense step")
+    parser.add_argument(
+        "--kept-memory",
+        action="store_true",
+        help="instead of timing, tabulate per layer kind the memory kept for backward (tree "
+        "and packed dense rows)",
+    )
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--write", help="markdown file whose section to replace with the results")
     args = parser.parse_args()
@@ -697,6 +798,15 @@ def main():
         model = build_model(model_pattern(pattern, args), args, "cuda")
         tables[pattern], log["patterns"][pattern] = [], []
         for name, (sequences, masks) in batches().items():
+            if args.kept_memory:
+                record = kept_memory_record(
+                    model, name, sequences, masks, args, model_pattern(pattern, args)
+                )
+                tables[pattern].append(record)
+                log["patterns"][pattern].append(record)
+                save()
+                print(pattern, record, flush=True)
+                continue
             record, timings = bench_batch(model, name, sequences, masks, args, "cuda")
             tables[pattern].append(record)
             log["patterns"][pattern].append({**record, **timings})

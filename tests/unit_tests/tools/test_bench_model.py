@@ -145,7 +145,9 @@ def test_output_chunk_option_builds_the_chunked_model_and_section(tool, megatron
     assert tool.build_model("M*", args, "cpu").shared_prefix_output_chunk_tokens == 0
     args.output_chunk_tokens = 3
     assert tool.build_model("M*", args, "cpu").shared_prefix_output_chunk_tokens == 3
-    assert tool._section(args, {"moe": []}) == tool.CHUNK_SECTION  # pylint: disable=protected-access
+    assert (
+        tool._section(args, {"moe": []}) == tool.CHUNK_SECTION
+    )  # pylint: disable=protected-access
 
 
 def test_component_times_run_every_component(tool, megatron_world):
@@ -160,3 +162,70 @@ def test_component_times_run_every_component(tool, megatron_world):
     rows = plan_shared_prefix(sequences, capacity=16).rows
     attention, output = tool.component_times(model, rows, repeats=1, device="cpu")
     assert attention > 0 and output > 0
+
+
+def test_kept_for_backward_attributes_every_saved_storage_once(tool, megatron_world):
+    """--kept-memory: the components' bytes add up to every distinct storage that autograd saves
+    in the forward (parameters excluded), each layer symbol of the pattern gets its layers'
+    share, and the hooks are gone afterwards."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=0, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=128
+    )
+    model = tool.build_model("M*-E", args, "cpu")
+    sequences = [[1, 2, 3, 4, 5, 6, 9, 9], [1, 2, 3, 7, 8], [1, 2, 3, 4, 10]]
+    masks = [np.arange(len(s)) >= 2 for s in sequences]
+    (row,) = plan_shared_prefix(sequences, masks, capacity=32).rows
+    kept = tool.kept_for_backward(model, row, "M*-E")
+    assert (
+        {"M", "*", "-", "E", "output"} <= set(kept) <= {"M", "*", "-", "E", "output", "embedding"}
+    )
+    assert all(size > 0 for size in kept.values())
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(None, None, None, shared_prefix_layout=row).sum()
+    assert sum(kept.values()) == sum(saved.values())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_kept_memory_record_compares_tree_and_dense_rows(tool, megatron_world):
+    """The --kept-memory row: per component, MiB per 1K tokens of the longest tree and dense rows;
+    the output layer keeps more per token on the tree row, whose tokens are mostly supervised."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=0,
+        mtp_pattern="*-",
+        hidden=256,
+        heads=4,
+        query_groups=2,
+        vocab=128,
+        capacity=256,
+    )
+    model = tool.build_model("M*", args, "cpu")
+    prompt = list(range(1, 65))
+    sequences = [prompt + [100 + k] * 16 for k in range(4)]
+    masks = [np.arange(len(s)) >= len(prompt) for s in sequences]
+    record = tool.kept_memory_record(model, "star", sequences, masks, args, "M*")
+    assert record["tree row tokens"] == 128 and record["dense row tokens"] == 256
+    assert list(record)[3:] == [
+        "embedding tree/dense",
+        "M tree/dense",
+        "* tree/dense",
+        "output tree/dense",
+        "total tree/dense",
+    ]
+    tree, dense = (float(v) for v in record["output tree/dense"].split("/"))
+    assert tree > dense > 0
+    args.kept_memory = True
+    section = tool._section(args, {"moe": [record]})  # pylint: disable=protected-access
+    assert section == tool.KEPT_SECTION
