@@ -26,7 +26,9 @@ output = the output layer and loss over the edges (the same supervised targets i
 token-wise = the rest (Mamba, MLP, MoE, linears, norms, embedding); pair ratio = dense query-key
 pairs / tree pairs. tree / ideal = speedup / ideal (goal >= 0.95). The same decomposition of the
 tree step is reported per component against its ideal (the JSON log), which is where a shortfall
-is located. Peak memory: above the model state (weights and gradients), with MiB per 1K tokens of
+is located; tree / ideal per layer kind times one layer of each token-wise kind (M Mamba, - MLP,
+E MoE) alone, forward+backward on random hidden states of the rows' shapes (``layer_times``), as
+dense / token ratio over tree. Peak memory: above the model state (weights and gradients), with MiB per 1K tokens of
 the longest row.
 
 First step: ``--first-step`` runs one pattern in fresh processes (``subprocess``), each timing
@@ -387,6 +389,37 @@ def component_times(model, rows, repeats, device):
     return attention, output
 
 
+def layer_times(model, rows, repeats, device):
+    """{layer symbol: ms}: forward+backward of one decoder layer of each symbol of the model's
+    pattern (M Mamba, * attention, - MLP, E MoE) on random hidden states of ``rows``' shapes,
+    times the number of layers of that symbol: the token-wise share of a step split per kind."""
+    from megatron.shared_prefix.tensors import ForestTensors, forest_scope
+
+    symbols = model.hybrid_layer_pattern.split("/")[0]
+    first = {symbol: model.decoder.layers[symbols.index(symbol)] for symbol in set(symbols)}
+    times = dict.fromkeys(first, 0.0)
+    for layout in rows:
+        forest = ForestTensors.from_layout(layout, device)
+        hidden = torch.randn(
+            layout.num_tokens,
+            1,
+            model.config.hidden_size,
+            device=device,
+            dtype=model.config.params_dtype,
+            requires_grad=True,
+        )
+        for symbol, layer in first.items():
+
+            def run(layer=layer, forest=forest):
+                with forest_scope(forest):
+                    out = layer(hidden, attention_mask=None)
+                out = out[0] if isinstance(out, tuple) else out
+                out.backward(torch.ones_like(out))
+
+            times[symbol] += symbols.count(symbol) * timed(run, repeats, device)[0]
+    return times
+
+
 def bench_batch(model, name, sequences, loss_masks, args, device):
     """One table row (and its JSON record) for one batch."""
     logical = sum(len(s) for s in sequences)
@@ -417,6 +450,8 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
     dense_attention, dense_output = component_times(model, packed_rows, args.repeats, device)
     tree_attention, tree_output = component_times(model, tree_rows, args.repeats, device)
     ideal = component_ideal(dense_ms, dense_attention, dense_output, token_ratio, pair_ratio)
+    dense_layers = layer_times(model, packed_rows, args.repeats, device)
+    tree_layers = layer_times(model, tree_rows, args.repeats, device)
     dense_token_wise = dense_ms - dense_attention - dense_output
     record = {
         "batch": name,
@@ -442,6 +477,12 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         "tree attention / ideal": (
             (dense_attention / pair_ratio) / tree_attention if tree_attention else float("nan")
         ),
+        # Per token-wise layer kind, alone on random inputs: dense / token ratio over tree.
+        "tree / ideal per layer kind": ", ".join(
+            f"{symbol} {dense_layers[symbol] / token_ratio / tree_layers[symbol]:.2f}"
+            for symbol in "M-E"
+            if symbol in tree_layers
+        ),
         "peak GiB tree/dense": f"{tree_peak / 2**30:.1f}/{dense_peak / 2**30:.1f}",
         "peak MiB per 1K tokens tree/dense": (
             f"{tree_peak / 2**20 / max(r.num_tokens for r in tree_rows) * 1000:.0f}/"
@@ -456,6 +497,8 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         "dense_output_ms": dense_output,
         "tree_attention_ms": tree_attention,
         "tree_output_ms": tree_output,
+        "dense_layer_ms": dense_layers,
+        "tree_layer_ms": tree_layers,
         "tree_row_tokens": [int(r.num_tokens) for r in tree_rows],
         "dense_row_tokens": [int(r.num_tokens) for r in packed_rows],
     }
@@ -707,7 +750,9 @@ def markdown(tables, first, command, args):
             "forward+backward at its row shapes), output layer + loss (same targets: ratio 1; "
             "with MTP once per depth as well) and the rest (dense shares column); tree "
             "token-wise / ideal and tree attention / ideal apply the same split to the tree "
-            "step. Peak: memory above weights and gradients, and per 1K tokens of the longest "
+            "step; tree / ideal per layer kind: one layer of each token-wise kind (M, -, E) "
+            "timed alone on random inputs of the rows' shapes, dense / token ratio over tree. "
+            "Peak: memory above weights and gradients, and per 1K tokens of the longest "
             "row." + notes
         )
     lines = [f"## {_section(args, tables)}", "", f"Command: `{command}`", "", setup, ""]

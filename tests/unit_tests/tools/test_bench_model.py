@@ -229,3 +229,20 @@ def test_kept_memory_record_compares_tree_and_dense_rows(tool, megatron_world):
     args.kept_memory = True
     section = tool._section(args, {"moe": [record]})  # pylint: disable=protected-access
     assert section == tool.KEPT_SECTION
+
+
+def test_layer_times_run_one_layer_of_each_kind(tool, megatron_world):
+    """The per-kind timings run one layer of each symbol of the pattern (on CPU here) over the
+    rows' shapes, counted once per layer of that symbol."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=0, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=128
+    )
+    model = tool.build_model("M*-EM", args, "cpu")
+    rows = plan_shared_prefix([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]], capacity=16).rows
+    times = tool.layer_times(model, rows, repeats=1, device="cpu")
+    assert set(times) == {"M", "*", "-", "E"}
+    assert all(ms > 0 for ms in times.values())
+    mamba = model.decoder.layers[0].mixer.in_proj.weight  # the backward ran: gradients arrived
+    assert mamba.grad is not None and mamba.grad.abs().sum() > 0
