@@ -636,6 +636,8 @@ def first_step_child(pattern, args):
             dtype=model.config.params_dtype,
             device="cuda",
         )
+        torch.cuda.synchronize()
+        times["attention_precompiled_s"] = time.perf_counter() - _PROCESS_START
         precompile_tree_mamba(model, args.capacity, dtype=model.config.params_dtype, device="cuda")
         torch.cuda.synchronize()
     times["precompiled_s"] = time.perf_counter() - _PROCESS_START
@@ -764,8 +766,10 @@ def markdown(tables, first, command, args):
             "First step in a fresh process (`--first-step "
             f"{first['pattern']}`, GRPO star batch; seconds from process start; cold: empty "
             "Inductor and Triton caches, warm: the caches of the cold run of the same mode; "
-            "precompile: `--shared-prefix-precompile` of the tree attention and Mamba kernels "
-            f"for rows up to {args.capacity} tokens, done by precompiled_s; new lengths: extra "
+            "imports_s: the imports of torch, megatron-core, mamba_ssm and this project, before "
+            "any of its work; precompile: `--shared-prefix-precompile` of the tree attention "
+            "(done by attention_precompiled_s) and Mamba kernels (then done by precompiled_s) "
+            f"for rows up to {args.capacity} tokens; new lengths: extra "
             "seconds of the first step at row lengths not seen before, over the same step "
             "repeated: 20096 and 20352 tokens (not buckets), then 24576 (a bucket)):",
             "",
@@ -773,12 +777,13 @@ def markdown(tables, first, command, args):
         keys = (
             "imports_s",
             "model_built_s",
+            "attention_precompiled_s",
             "precompiled_s",
             "first_step_done_s",
             *(f"{key}_extra_s" for key, _ in NEW_LENGTHS),
         )
         first_rows = [
-            {"cache": label, **{key: values[key] for key in keys}}
+            {"cache": label, **{key: values.get(key, "") for key in keys}}
             for label, values in first.items()
             if label != "pattern"
         ]

@@ -246,3 +246,26 @@ def test_layer_times_run_one_layer_of_each_kind(tool, megatron_world):
     assert all(ms > 0 for ms in times.values())
     mamba = model.decoder.layers[0].mixer.in_proj.weight  # the backward ran: gradients arrived
     assert mamba.grad is not None and mamba.grad.abs().sum() > 0
+
+
+def test_first_step_table_splits_the_precompile(tool, monkeypatch):
+    """The first-step table has the attention part of the precompile as a column of its own, and a
+    record without precompiling (no such key) leaves that cell empty."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "test device")
+    args = SimpleNamespace(
+        mtp_num_layers=0, hidden=256, heads=4, query_groups=2, vocab=128, capacity=4096, repeats=1
+    )
+    times = dict(imports_s=1.0, model_built_s=2.0, precompiled_s=2.0, first_step_done_s=3.0)
+    times.update({f"{key}_extra_s": 0.1 for key, _ in tool.NEW_LENGTHS})
+    first = {
+        "pattern": "moe",
+        "cold, precompile off": times,
+        "cold, precompile dynamic": {**times, "attention_precompiled_s": 5.0, "precompiled_s": 9.0},
+    }
+    section = tool.markdown({}, first, "python tools/bench_model.py", args)
+    header = next(line for line in section.splitlines() if line.startswith("| cache"))
+    assert "| attention_precompiled_s | precompiled_s |" in header
+    assert "| cold, precompile off | 1.00 | 2.00 |  | 2.00 |" in section
+    assert "| cold, precompile dynamic | 1.00 | 2.00 | 5.00 | 9.00 |" in section
