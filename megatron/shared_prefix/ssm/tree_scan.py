@@ -56,13 +56,15 @@ called identically. Without a gate, the Triton scan runs through mamba_ssm's own
 backward functions in ``_UngatedChunkScan``, which keeps nothing of the output's size for backward
 (the norm keeps the corrected output; see there). The correction is Triton with the Triton scan
 and plain torch with torch_ssd (the Triton kernels round the float32 state, or weighted input, to
-the input dtype before the product, as mamba_ssm does for the states it passes between chunks). Gathers with repeated indices
-are kept out of the backward (see ``_per_token``); like mamba_ssm's own backward kernels, the float
-accumulations left (cumulative sums, matrix products) are bitwise reproducible under
-``torch.use_deterministic_algorithms(True)``.
+the input dtype before the product, as mamba_ssm does for the states it passes between chunks).
+Gathers with repeated indices are kept out of the backward (see ``_per_token``); like mamba_ssm's
+own backward kernels, the float accumulations left (cumulative sums, matrix products) are bitwise
+reproducible under ``torch.use_deterministic_algorithms(True)``.
 """
 
 import dataclasses
+import functools
+import inspect
 import math
 import sys
 from typing import Optional
@@ -93,15 +95,34 @@ def triton_chunk_scan():
     return ssd_combined.mamba_chunk_scan_combined
 
 
+_SCAN_FORWARD_ARGS = ("x", "dt", "A", "B", "C", "chunk_size")
+_SCAN_BACKWARD_ARGS = ("dout", "x", "dt", "A", "B", "C", "out", "chunk_size")
+
+
 def _ungated_scan_functions(scan):
     """mamba_ssm's (forward, backward) functions behind ``scan`` when ``scan`` is its Triton
-    ``mamba_chunk_scan_combined`` and the module has them, else None."""
+    ``mamba_chunk_scan_combined`` and the module has them with the leading arguments that
+    ``_UngatedChunkScan`` passes (mamba_ssm 2.3), else None (the stock scan is used)."""
     module = sys.modules.get(getattr(scan, "__module__", None) or "")
     if module is None or scan is not getattr(module, "mamba_chunk_scan_combined", None):
         return None
-    forward = getattr(module, "_mamba_chunk_scan_combined_fwd", None)
-    backward = getattr(module, "_mamba_chunk_scan_combined_bwd", None)
-    return None if forward is None or backward is None else (forward, backward)
+    functions = (
+        getattr(module, "_mamba_chunk_scan_combined_fwd", None),
+        getattr(module, "_mamba_chunk_scan_combined_bwd", None),
+    )
+    if _takes(functions[0], _SCAN_FORWARD_ARGS) and _takes(functions[1], _SCAN_BACKWARD_ARGS):
+        return functions
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _takes(function, leading: tuple) -> bool:
+    """Whether ``function`` (None: no) starts with the parameters ``leading`` and has D and
+    seq_idx (read once per function: this runs in every forward)."""
+    if function is None:
+        return False
+    parameters = inspect.signature(function).parameters
+    return tuple(parameters)[: len(leading)] == leading and {"D", "seq_idx"} <= set(parameters)
 
 
 class _UngatedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-method

@@ -461,3 +461,40 @@ def test_forked_states_keep_little_more_per_token_than_a_row_of_roots(forest_seq
     slots = len(TreeScanPlan.of(forest).internal)
     allowance = 3 * heads * 4 + slots * heads * head_dim * state_dim * 4 / layout.num_tokens
     assert per_token["tree"] <= per_token["roots"] + allowance, per_token
+
+
+def test_ungated_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeypatch):
+    """``_ungated_scan_functions`` returns mamba_ssm's (forward, backward) only for the module's own
+    ``mamba_chunk_scan_combined`` and only when both functions take the leading arguments that
+    ``_UngatedChunkScan`` passes; otherwise None, and the stock scan runs."""
+    import sys
+    import types
+
+    from megatron.shared_prefix.ssm import tree_scan
+
+    # pylint: disable=unused-argument
+    def forward(x, dt, A, B, C, chunk_size, D=None, z=None, seq_idx=None):
+        return None
+
+    def backward(dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, seq_idx=None):
+        return None
+
+    def renamed_backward(dout, x, dt, A, B, C, chunk_size, out, D=None, seq_idx=None):
+        return None
+
+    def scan(*args, **kwargs):
+        return None
+
+    module = types.ModuleType("fake_ssd_combined")
+    scan.__module__ = module.__name__
+    module.mamba_chunk_scan_combined = scan
+    module._mamba_chunk_scan_combined_fwd = forward
+    module._mamba_chunk_scan_combined_bwd = backward
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert tree_scan._ungated_scan_functions(scan) == (forward, backward)
+    assert tree_scan._ungated_scan_functions(lambda *a, **k: None) is None  # not the module's
+    assert tree_scan._ungated_scan_functions(torch_ssd.mamba_chunk_scan_combined) is None
+    monkeypatch.setattr(module, "_mamba_chunk_scan_combined_bwd", renamed_backward)
+    assert tree_scan._ungated_scan_functions(scan) is None
+    monkeypatch.delattr(module, "_mamba_chunk_scan_combined_bwd")
+    assert tree_scan._ungated_scan_functions(scan) is None
