@@ -158,7 +158,9 @@ class TreeMambaMixer(MambaMixer):
         x = x.reshape(1, length, heads, self.headdim).contiguous()
         B = B.reshape(1, length, groups, state).contiguous()
         C = C.reshape(1, length, groups, state).contiguous()
-        z = z.reshape(1, length, heads, self.headdim).contiguous()
+        # z stays a view of the projection (strided rows, unit channel stride), as in megatron-core's
+        # unfused path: a contiguous copy would be a second [T, d_inner] tensor kept for backward.
+        z = z.reshape(1, length, heads, self.headdim)
         D = self.cp.get_D()
         D = D.float().reshape(heads, self.headdim) if self.D_has_hdim else D
         # The state dtype option that the stock paths pass, for the kernel that accepts it.
@@ -187,7 +189,7 @@ class TreeMambaMixer(MambaMixer):
         # Back to megatron's [T, 1, d_inner] layout, then the stock unfused path's gate and norm.
         y = y.reshape(1, length, inner).transpose(0, 1).contiguous()
         if self.rmsnorm:
-            return y, z.reshape(1, length, inner).transpose(0, 1).contiguous()
+            return y, z.reshape(1, length, inner).transpose(0, 1)
         return y, None
 
 

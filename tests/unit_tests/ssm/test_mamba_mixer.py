@@ -158,3 +158,39 @@ def test_rows_of_new_lengths_compile_nothing_after_warm_up(megatron_world):
                 out = mixer(hidden)[0]
             out.backward(torch.randn_like(out))
     assert compiled == []
+
+
+@pytest.mark.parametrize("rmsnorm", [True, False], ids=["norm-gate", "scan-gate"])
+def test_forest_path_keeps_the_gate_as_a_view_of_the_projection(megatron_world, rmsnorm):
+    """z reaches its gate (the norm, or the scan and the forked-state correction) as a view of the
+    input projection, as in megatron-core's unfused path: nothing saved for backward holds a copy
+    of z's values, and the norm's gate shares the projection's storage."""
+    mixer = build_mixer(chunk_size=16, hidden_size=32, heads=4, state=8, dtype=torch.float32)
+    mixer.rmsnorm = rmsnorm
+    forest = warmup_forest(40, "cpu")
+    width = 2 * mixer.d_inner + 2 * mixer.ngroups * mixer.d_state + mixer.nheads
+    zxBCdt = torch.randn(40, 1, width, requires_grad=True)
+    z_values = zxBCdt.detach()[..., : mixer.d_inner].reshape(-1)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y, gate = mixer._tree_ssm(zxBCdt, forest)  # pylint: disable=protected-access
+    projection = zxBCdt.untyped_storage().data_ptr()
+    if rmsnorm:
+        assert gate.shape == (40, 1, mixer.d_inner)
+        assert gate.untyped_storage().data_ptr() == projection
+    else:
+        assert gate is None
+    copies = [
+        t
+        for t in saved
+        if t.numel() == z_values.numel()
+        and t.untyped_storage().data_ptr() != projection
+        and torch.equal(t.detach().reshape(-1), z_values)
+    ]
+    assert not copies
+    assert y.shape == (40, 1, mixer.d_inner)

@@ -139,8 +139,9 @@ def _graph_nodes(tensor):
     return names
 
 
-def _mixer(device):
-    """A float32 TreeMambaMixer of HEADS heads on ``device``, seeded."""
+def _mixer(device, rmsnorm=True):
+    """A float32 TreeMambaMixer of HEADS heads on ``device``, seeded; ``rmsnorm=False`` gates the
+    scan with silu(z) instead of the norm."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -171,14 +172,18 @@ def _mixer(device):
         MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
         d_model=32,
         chunk_size=CHUNK,
+        rmsnorm=rmsnorm,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
     ).to(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_tree_mamba_mixer_replay(megatron_world, device):
+@pytest.mark.parametrize("rmsnorm", [True, False], ids=["norm-gate", "scan-gate"])
+def test_tree_mamba_mixer_replay(megatron_world, device, rmsnorm):
+    """Both gates take z as a strided view of the input projection (no copy): the norm, or the
+    scan and the forked-state correction."""
     forest = replay_forest(device)
-    mixer = _mixer(device)
+    mixer = _mixer(device, rmsnorm)
 
     def make_inputs():
         return _param(forest.num_tokens, 1, 32, device=device)
