@@ -28,8 +28,8 @@ pairs / tree pairs. tree / ideal = speedup / ideal (goal >= 0.95). The same deco
 tree step is reported per component against its ideal (the JSON log), which is where a shortfall
 is located; tree / ideal per layer kind times one layer of each token-wise kind (M Mamba, - MLP,
 E MoE) alone, forward+backward on random hidden states of the rows' shapes (``layer_times``), as
-dense / token ratio over tree. Peak memory: above the model state (weights and gradients), with MiB per 1K tokens of
-the longest row.
+dense / token ratio over tree. Peak memory: above the model state (weights and gradients), with
+MiB per 1K tokens of the longest row.
 
 First step: ``--first-step`` runs one pattern in fresh processes (``subprocess``), each timing
 its start-up: imports, model build, the first step of the GRPO star batch, then the first step of
@@ -505,16 +505,17 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
     return record, timings
 
 
-def kept_for_backward(model, layout, pattern):
+def kept_for_backward(model, layout):
     """{component: bytes} that autograd keeps for backward after one forest forward of ``layout``
     (what a step holds at its peak besides weights, gradients and the backward's temporaries).
 
     Every distinct storage that an autograd node saves counts once, for the component that saved
-    it first; parameters do not count. Components: the layer symbols of the main pattern (all
-    layers of a symbol together: M Mamba, * attention, - MLP, E MoE), "embedding", "MTP" (every
-    depth), and "output" (the final norm, the output layer and the loss: the rest of the model).
+    it first; parameters do not count. Components: the layer symbols of the model's main pattern
+    (all layers of a symbol together: M Mamba, * attention, - MLP, E MoE), "embedding", "MTP"
+    (every depth), and "output" (the final norm, the output layer and the loss: the rest of the
+    model).
     """
-    main_layers = pattern.split("/")[0]
+    main_layers = model.hybrid_layer_pattern.split("/")[0]
 
     def component(name):
         parts = name.split(".")
@@ -556,7 +557,7 @@ def kept_for_backward(model, layout, pattern):
     return totals
 
 
-def kept_memory_record(model, name, sequences, loss_masks, args, pattern):
+def kept_memory_record(model, name, sequences, loss_masks, args):
     """One row of the ``--kept-memory`` table: per component, MiB kept for backward per 1K tokens
     of the longest tree row and of the longest packed dense row."""
     tree_rows = plan_shared_prefix(
@@ -570,7 +571,7 @@ def kept_memory_record(model, name, sequences, loss_masks, args, pattern):
         record[f"{method} row tokens"] = longest.num_tokens
         kept[method] = {
             key: value / 2**20 / longest.num_tokens * 1000
-            for key, value in kept_for_backward(model, longest, pattern).items()
+            for key, value in kept_for_backward(model, longest).items()
         }
     names = sorted(set(kept["tree"]) | set(kept["dense"]), key=_component_order)
     for key in [*names, "total"]:
@@ -849,9 +850,7 @@ def main():
         tables[pattern], log["patterns"][pattern] = [], []
         for name, (sequences, masks) in batches().items():
             if args.kept_memory:
-                record = kept_memory_record(
-                    model, name, sequences, masks, args, model_pattern(pattern, args)
-                )
+                record = kept_memory_record(model, name, sequences, masks, args)
                 tables[pattern].append(record)
                 log["patterns"][pattern].append(record)
                 save()

@@ -177,7 +177,7 @@ def test_kept_for_backward_attributes_every_saved_storage_once(tool, megatron_wo
     sequences = [[1, 2, 3, 4, 5, 6, 9, 9], [1, 2, 3, 7, 8], [1, 2, 3, 4, 10]]
     masks = [np.arange(len(s)) >= 2 for s in sequences]
     (row,) = plan_shared_prefix(sequences, masks, capacity=32).rows
-    kept = tool.kept_for_backward(model, row, "M*-E")
+    kept = tool.kept_for_backward(model, row)
     assert (
         {"M", "*", "-", "E", "output"} <= set(kept) <= {"M", "*", "-", "E", "output", "embedding"}
     )
@@ -215,7 +215,7 @@ def test_kept_memory_record_compares_tree_and_dense_rows(tool, megatron_world):
     prompt = list(range(1, 65))
     sequences = [prompt + [100 + k] * 16 for k in range(4)]
     masks = [np.arange(len(s)) >= len(prompt) for s in sequences]
-    record = tool.kept_memory_record(model, "star", sequences, masks, args, "M*")
+    record = tool.kept_memory_record(model, "star", sequences, masks, args)
     assert record["tree row tokens"] == 128 and record["dense row tokens"] == 256
     assert list(record)[3:] == [
         "embedding tree/dense",
