@@ -510,10 +510,11 @@ def kept_for_backward(model, layout):
     (what a step holds at its peak besides weights, gradients and the backward's temporaries).
 
     Every distinct storage that an autograd node saves counts once, for the component that saved
-    it first; parameters do not count. Components: the layer symbols of the model's main pattern
-    (all layers of a symbol together: M Mamba, * attention, - MLP, E MoE), "embedding", "MTP"
-    (every depth), and "output" (the final norm, the output layer and the loss: the rest of the
-    model).
+    it first; parameters do not count. The hook keeps a detached alias: the tensor itself would
+    tie every node that saves its own output into a cycle that outlives the forward. Components:
+    the layer symbols of the model's main pattern (all layers of a symbol together: M Mamba,
+    * attention, - MLP, E MoE), "embedding", "MTP" (every depth), and "output" (the final norm,
+    the output layer and the loss: the rest of the model).
     """
     main_layers = model.hybrid_layer_pattern.split("/")[0]
 
@@ -533,7 +534,7 @@ def kept_for_backward(model, layout):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in parameters and storage.data_ptr() not in kept:
             kept[storage.data_ptr()] = (running[-1], storage.nbytes())
-        return tensor
+        return tensor.detach()
 
     def enter(module, _):
         running.append(owner[module])

@@ -197,6 +197,38 @@ def test_kept_for_backward_attributes_every_saved_storage_once(tool, megatron_wo
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_kept_for_backward_frees_the_forward(tool, megatron_world):
+    """--kept-memory measures one forward after another on a GPU: no output of that forward's graph
+    may outlive it (a pack hook returning the tensor itself ties a node that saves its own output
+    to that output in a cycle autograd never frees)."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=0, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=128
+    )
+    model = tool.build_model("M*-E", args, "cpu")
+    sequences = [[1, 2, 3, 4, 5, 6, 9, 9], [1, 2, 3, 7, 8]]
+    masks = [np.arange(len(s)) >= 2 for s in sequences]
+    (row,) = plan_shared_prefix(sequences, masks, capacity=32).rows
+    outputs = []
+
+    def keep_reference(module, inputs, output):
+        for tensor in output if isinstance(output, tuple) else (output,):
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                outputs.append(weakref.ref(tensor))
+
+    handles = [module.register_forward_hook(keep_reference) for module in model.modules()]
+    try:
+        tool.kept_for_backward(model, row)
+    finally:
+        for handle in handles:
+            handle.remove()
+    gc.collect()
+    assert outputs and not [ref for ref in outputs if ref() is not None]
+
+
 def test_kept_memory_record_compares_tree_and_dense_rows(tool, megatron_world):
     """The --kept-memory row: per component, MiB per 1K tokens of the longest tree and dense rows;
     the output layer keeps more per token on the tree row, whose tokens are mostly supervised."""
