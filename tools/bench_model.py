@@ -640,11 +640,19 @@ def first_step_child(pattern, args):
         )
         torch.cuda.synchronize()
         times["attention_precompiled_s"] = time.perf_counter() - _PROCESS_START
-        precompile_tree_mamba(model, args.capacity, dtype=model.config.params_dtype, device="cuda")
+        precompile_tree_mamba(
+            model,
+            args.capacity,
+            dtype=model.config.params_dtype,
+            device="cuda",
+            multiple=PAD_MULTIPLE,
+        )
         torch.cuda.synchronize()
     times["precompiled_s"] = time.perf_counter() - _PROCESS_START
     sequences, masks = batches()["GRPO star P=4096, C=1024, G=16"]
-    rows = plan_shared_prefix(sequences, masks, capacity=args.capacity, pad_multiple=128).rows
+    rows = plan_shared_prefix(
+        sequences, masks, capacity=args.capacity, pad_multiple=PAD_MULTIPLE
+    ).rows
     forest_step(model, rows)()
     torch.cuda.synchronize()
     times["first_step_done_s"] = time.perf_counter() - _PROCESS_START
@@ -771,7 +779,9 @@ def markdown(tables, first, command, args):
             "imports_s: the imports of torch, megatron-core, mamba_ssm and this project, before "
             "any of its work; precompile: `--shared-prefix-precompile` of the tree attention "
             "(done by attention_precompiled_s) and Mamba kernels (then done by precompiled_s) "
-            f"for rows up to {args.capacity} tokens; new lengths: extra "
+            f"for rows up to {args.capacity} tokens, multiples of {PAD_MULTIPLE} as every row "
+            "of the benchmark (as under the flag, where rows are multiples of 16: one Mamba "
+            "warm-up row per chunk count); new lengths: extra "
             "seconds of the first step at row lengths not seen before, over the same step "
             "repeated: 20096 and 20352 tokens (not buckets), then 24576 (a bucket)):",
             "",

@@ -215,42 +215,48 @@ def _twos(value: int) -> int:
     return min(4, (value & -value).bit_length() - 1)
 
 
-def scan_warmup_lengths(chunk_size: int, max_tokens: int) -> tuple[int, ...]:
-    """Row lengths, up to ``max_tokens``, that give mamba_ssm's scan kernels every class of their
-    integer arguments: for chunk counts 1, 2, 3, every power of two and the count of
+def scan_warmup_lengths(chunk_size: int, max_tokens: int, multiple: int = 1) -> tuple[int, ...]:
+    """Row lengths, up to ``max_tokens`` and multiples of ``multiple`` (the planner's
+    ``pad_multiple``), that give mamba_ssm's scan kernels every class of their integer arguments
+    that such rows can have: for chunk counts 1, 2, 3, every power of two and the count of
     ``max_tokens`` itself, the longest length of that chunk count with each number of factors of
-    2 (0 to 4 or more).
+    2 (0 to 4 or more) that a multiple of ``multiple`` can have.
 
     Triton compiles a variant of a kernel per combination of the classes of its integer arguments
     (1, a multiple of 16, anything else). The scan's arguments include the row length, strides that
     are its products with the layer's widths (a multiple of 16 or not according to the factors of 2
     of the length), the chunk count, and values that mamba_ssm derives from the chunk count and the
     GPU's number of multiprocessors (heads per program of some backward kernels, which grow with the
-    chunk count up to the heads per group), hence the doubling chunk counts.
+    chunk count up to the heads per group), hence the doubling chunk counts. Rows of a multiple of
+    16 tokens have one class of factors of 2, so one length per chunk count covers them.
     """
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"multiple must be a positive int (the rows' pad_multiple): {multiple!r}")
     num_chunks = -(-max_tokens // chunk_size)
     counts = sorted({1, 2, 3, num_chunks} | {1 << j for j in range(num_chunks.bit_length())})
+    possible_classes = 5 - _twos(multiple)
     lengths = []
     for chunks in (count for count in counts if count <= num_chunks):
-        top = min(chunks * chunk_size, max_tokens)
+        top = min(chunks * chunk_size, max_tokens) // multiple * multiple
         classes = {}
-        for length in range(top, max((chunks - 1) * chunk_size, 4), -1):
+        for length in range(top, max((chunks - 1) * chunk_size, 4), -multiple):
             classes.setdefault(_twos(length), length)
-            if len(classes) == 5:
+            if len(classes) == possible_classes:
                 break
         lengths += sorted(classes.values(), reverse=True)
     return tuple(lengths)
 
 
 def precompile_tree_mamba(
-    model: torch.nn.Module, max_tokens: int, *, dtype: torch.dtype, device
+    model: torch.nn.Module, max_tokens: int, *, dtype: torch.dtype, device, multiple: int = 1
 ) -> tuple[int, ...]:
     """Compile, before training, the Triton kernels that the model's Mamba layers run on forest
-    rows of up to ``max_tokens`` tokens: one ``TreeMambaMixer.warm_up`` per distinct
-    ``scan_signature`` at each of ``scan_warmup_lengths``, so that a row of a new length compiles
-    nothing in these layers (the forked-state kernels are not specialized on the forest's counts,
-    ssm/triton_inherited_state.py; docs/training.md has what was measured). On CPU (the torch
-    scan) it compiles nothing and only runs the layers.
+    rows of up to ``max_tokens`` tokens, each a multiple of ``multiple`` tokens (the planner's
+    ``pad_multiple``): one ``TreeMambaMixer.warm_up`` per distinct ``scan_signature`` at each of
+    ``scan_warmup_lengths``, so that a row of a new length compiles nothing in these layers (the
+    forked-state kernels are not specialized on the forest's counts, ssm/triton_inherited_state.py;
+    docs/training.md has what was measured). On CPU (the torch scan) it compiles nothing and only
+    runs the layers.
 
     Returns:
         The row lengths run (empty when the model has no Mamba layer).
@@ -261,7 +267,7 @@ def precompile_tree_mamba(
             mixers.setdefault(module.scan_signature(), module)
     lengths = {}  # every length run, in order (layers of other chunk sizes add theirs)
     for mixer in mixers.values():
-        for num_tokens in scan_warmup_lengths(mixer.chunk_size, max_tokens):
+        for num_tokens in scan_warmup_lengths(mixer.chunk_size, max_tokens, multiple):
             mixer.warm_up(num_tokens, dtype=dtype, device=device)
             lengths[num_tokens] = None
     return tuple(lengths)

@@ -175,8 +175,9 @@ def add_shared_prefix_args(
         "buckets: also a static attention kernel, a few percent faster, for each of the about "
         "four bucket lengths per octave up to the row capacity (one compile each; kept in the "
         "Inductor and Triton caches for later runs); the Mamba kernels are compiled for every "
-        "class of row length either way; off (default): kernels compile when a row first needs "
-        "them.",
+        "class of row length either way, and rows are padded to a multiple of 16 tokens where "
+        "the capacity is one (fewer classes: one Mamba warm-up row per chunk count); off "
+        "(default): kernels compile when a row first needs them.",
     )
     group.add_argument(
         "--shared-prefix-output-chunk-tokens",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from typing import Callable, Optional
 
@@ -444,13 +445,21 @@ def _precompile_mode(args: argparse.Namespace, trainer: str) -> str:
 
 
 def row_pad_multiple(args: argparse.Namespace, capacity: int) -> int:
-    """The multiple every packed row's length is rounded to (BatchConfig.pad_multiple)."""
+    """The multiple every packed row's length is rounded to (BatchConfig.pad_multiple).
+
+    Under ``--shared-prefix-precompile`` it is also a multiple of 16 where the capacity allows:
+    a row then pads at most 15 tokens (never a loss source), and its length and the strides
+    derived from it fall in one class of Triton's integer specialization per chunk count, so the
+    Mamba warm-up runs one row per chunk count instead of five (``scan_warmup_lengths``).
+    """
     if args.num_experts and args.expert_model_parallel_size > 1:
         if args.moe_token_dispatcher_type == "allgather":
             return capacity
     multiple = 2 * args.context_parallel_size if args.context_parallel_size > 1 else 1
     if args.sequence_parallel and args.tensor_model_parallel_size > 1:
         multiple *= args.tensor_model_parallel_size
+    if args.shared_prefix_precompile != "off" and capacity % math.lcm(multiple, 16) == 0:
+        multiple = math.lcm(multiple, 16)
     return multiple
 
 

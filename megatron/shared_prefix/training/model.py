@@ -119,13 +119,15 @@ def build_model(
 def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log) -> None:
     """``--shared-prefix-precompile``: compile, before the first step, the model's tree attention
     kernels (``precompile_tree_attention``) and its Mamba layers' Triton kernels
-    (``precompile_tree_mamba``) for rows up to the row capacity, and log what each took.
+    (``precompile_tree_mamba``) for rows up to the row capacity, of the rows' pad multiple, and
+    log what each took.
 
     Args:
         config: the run's RunConfig (its ``precompile`` mode and row capacity).
         log: where the one-line reports go.
     """
     from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
+    from megatron.shared_prefix.models.hybrid.validation import row_length_multiple
     from megatron.shared_prefix.ssm.mamba_mixer import precompile_tree_mamba
 
     if config.precompile == "off":
@@ -141,7 +143,13 @@ def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log
         f"{time.perf_counter() - start:.1f} s"
     )
     start = time.perf_counter()
-    lengths = precompile_tree_mamba(model, capacity, dtype=model.config.params_dtype, device=device)
+    multiple = config.batch.pad_multiple
+    if model.config.mtp_num_layers:
+        # MTP depths' rows are padded to the parallel multiple only (mtp_layout.mtp_forests).
+        multiple = row_length_multiple(model.config)
+    lengths = precompile_tree_mamba(
+        model, capacity, dtype=model.config.params_dtype, device=device, multiple=multiple
+    )
     log(
         f"[shared-prefix] precompiled tree Mamba: rows of {len(lengths)} lengths "
         f"{list(lengths)}, in {time.perf_counter() - start:.1f} s"

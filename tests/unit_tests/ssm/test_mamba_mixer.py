@@ -39,6 +39,31 @@ def test_warmup_lengths_cover_every_class_of_length_and_chunk_count():
     assert scan_warmup_lengths(256, 4) == ()
 
 
+@pytest.mark.parametrize("multiple", [2, 3, 16, 48, 128])
+def test_warmup_lengths_of_a_pad_multiple_cover_the_classes_its_rows_can_have(multiple):
+    """Rows planned with ``pad_multiple`` are multiples of it: the warm-up runs, per chunk count,
+    the longest such length of every class of factors of 2 that such a length can have (one when
+    the multiple has 4 or more: 10 rows instead of 50 for 32768 tokens); for a power of two, a
+    subset of what it runs for rows of any length."""
+    chunk_size, capacity = 128, 4096
+    lengths = scan_warmup_lengths(chunk_size, capacity, multiple)
+    assert lengths and all(n % multiple == 0 for n in lengths)
+    if multiple & (multiple - 1) == 0:  # a power of two
+        assert set(lengths) <= set(scan_warmup_lengths(chunk_size, capacity))
+    for chunks in {-(-n // chunk_size) for n in scan_warmup_lengths(chunk_size, capacity)}:
+        rows = range((chunks - 1) * chunk_size + 1, min(chunks * chunk_size, capacity) + 1)
+        possible = {twos(n) for n in rows if n % multiple == 0 and n > 4}
+        of_count = [n for n in lengths if -(-n // chunk_size) == chunks]
+        assert {twos(n) for n in of_count} == possible and len(of_count) == len(possible)
+        assert not of_count or max(of_count) == max(n for n in rows if n % multiple == 0)
+    assert len(scan_warmup_lengths(128, 32768, 16)) == 10
+    assert scan_warmup_lengths(128, 32768, 16) == tuple(
+        128 * c for c in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
+    )
+    with pytest.raises(ValueError, match="pad_multiple"):
+        scan_warmup_lengths(chunk_size, capacity, 0)
+
+
 @pytest.mark.parametrize("num_tokens", [5, 127, 2048])
 def test_warmup_forest_has_a_chain_of_internal_segments(num_tokens):
     """Root -> internal child -> two leaves, and a leaf under the root: the forked-state kernels
@@ -128,7 +153,9 @@ def test_rows_of_new_lengths_compile_nothing_after_warm_up(megatron_world):
     """After the warm-up at ``scan_warmup_lengths``, forest rows of other lengths, chunk counts and
     segment, block and split counts (one parent, many, a chain) run only kernel variants already
     compiled: mamba_ssm's are specialized on the classes of the length and chunk count, the
-    forked-state kernels on none of the forest's counts."""
+    forked-state kernels on none of the forest's counts. First for rows padded to a multiple of 16
+    after the warm-up of that multiple (what ``--shared-prefix-precompile`` runs), then for rows of
+    any length after the rest of the warm-up."""
     chunk_size, capacity = 128, 4096
     mixer = build_mixer(
         chunk_size=chunk_size,
@@ -138,8 +165,6 @@ def test_rows_of_new_lengths_compile_nothing_after_warm_up(megatron_world):
         dtype=torch.bfloat16,
         device="cuda",
     )
-    for num_tokens in scan_warmup_lengths(chunk_size, capacity):
-        mixer.warm_up(num_tokens, dtype=torch.bfloat16, device="cuda")
     rng = np.random.default_rng(0)
     rows = []
     for prompt, completions in ((300, [5]), (1000, [17] * 3), (64, [900, 7, 1]), (2500, [90] * 16)):
@@ -147,17 +172,24 @@ def test_rows_of_new_lengths_compile_nothing_after_warm_up(megatron_world):
         rows.append([shared + rng.integers(1, 50, n).tolist() for n in completions])
     rows.append([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]] + [rng.integers(1, 50, 4000).tolist()])
     rows += [[rng.integers(1, 50, n).tolist()] for n in (650, 1812, 3068)]  # 2, 4 and 8 mod 16
-    with triton_compiles() as compiled:
-        for sequences in rows:
-            layout = plan_shared_prefix(sequences, capacity=capacity).rows[0]
-            forest = ForestTensors.from_layout(layout, "cuda")
-            hidden = torch.randn(
-                forest.num_tokens, 1, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True
-            )
-            with forest_scope(forest):
-                out = mixer(hidden)[0]
-            out.backward(torch.randn_like(out))
-    assert compiled == []
+    warmed = set()
+    for multiple in (16, 1):
+        for num_tokens in scan_warmup_lengths(chunk_size, capacity, multiple):
+            if num_tokens not in warmed:
+                mixer.warm_up(num_tokens, dtype=torch.bfloat16, device="cuda")
+                warmed.add(num_tokens)
+        with triton_compiles() as compiled:
+            for sequences in rows:
+                layout = plan_shared_prefix(
+                    sequences, capacity=capacity, pad_multiple=multiple
+                ).rows[0]
+                forest = ForestTensors.from_layout(layout, "cuda")
+                hidden = torch.randn(forest.num_tokens, 1, 256, device="cuda", dtype=torch.bfloat16)
+                hidden.requires_grad_()
+                with forest_scope(forest):
+                    out = mixer(hidden)[0]
+                out.backward(torch.randn_like(out))
+        assert compiled == [], f"rows padded to a multiple of {multiple}"
 
 
 @pytest.mark.parametrize("rmsnorm", [True, False], ids=["norm-gate", "scan-gate"])

@@ -130,6 +130,13 @@ def test_parallel_flags_set_row_padding_and_pipeline_defaults(monkeypatch):
     assert context.pad_multiple == 2 * 2 * 2
     _, allgather_experts = batch("--expert-model-parallel-size", "2")
     assert allgather_experts.pad_multiple == 256
+    # Precompiling pads rows to a multiple of 16 too (fewer Mamba warm-up rows) where the
+    # capacity is one.
+    precompile = ("--shared-prefix-precompile", "dynamic")
+    _, precompiled = batch("--tensor-model-parallel-size", "2", "--sequence-parallel", *precompile)
+    assert precompiled.pad_multiple == 16
+    args = parse_arguments(["--shared-prefix-capacity", "264", *precompile])
+    assert RunConfig.from_args(args, trainer="megatron").batch.pad_multiple == 1
     args = parse_arguments([*CUSTOM_MODEL, "--pipeline-model-parallel-size", "2"])
     assert args.variable_seq_lengths and args.moe_token_dispatcher_type == "alltoall"
 

@@ -439,7 +439,8 @@ def test_checkpoint_of_the_earlier_single_file_format_still_resumes(
 
 
 def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkeypatch):
-    """--shared-prefix-precompile: both warm-ups for rows up to the capacity, one log line each;
+    """--shared-prefix-precompile: both warm-ups for rows up to the capacity, the Mamba one for
+    rows of the batch's pad multiple (with MTP, of the depths' rows' multiple), one log line each;
     off compiles nothing."""
     from types import SimpleNamespace
 
@@ -458,15 +459,29 @@ def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkey
     monkeypatch.setattr(
         mamba_mixer,
         "precompile_tree_mamba",
-        lambda model, tokens, **kw: calls.append(("mamba", tokens, kw["dtype"])) or (128, 127),
+        lambda model, tokens, **kw: calls.append(("mamba", tokens, kw["dtype"], kw["multiple"]))
+        or (128, 127),
     )
-    model = SimpleNamespace(config=SimpleNamespace(params_dtype=torch.bfloat16))
-    config = SimpleNamespace(precompile="dynamic", batch=SimpleNamespace(capacity=4096))
+    model_config = SimpleNamespace(
+        params_dtype=torch.bfloat16,
+        mtp_num_layers=None,
+        sequence_parallel=True,
+        tensor_model_parallel_size=2,
+        context_parallel_size=1,
+    )
+    model = SimpleNamespace(config=model_config)
+    config = SimpleNamespace(
+        precompile="dynamic", batch=SimpleNamespace(capacity=4096, pad_multiple=16)
+    )
     lines = []
     precompile_kernels(model, config, "cuda", lines.append)
-    assert calls == [("attention", 4096, "dynamic"), ("mamba", 4096, torch.bfloat16)]
+    assert calls == [("attention", 4096, "dynamic"), ("mamba", 4096, torch.bfloat16, 16)]
     assert "precompiled tree attention (dynamic): kernels for 1 row lengths" in lines[0]
     assert "precompiled tree Mamba: rows of 2 lengths [128, 127]" in lines[1]
     calls.clear()
+    model_config.mtp_num_layers = 1
+    precompile_kernels(model, config, "cuda", lines.append)
+    assert calls[1] == ("mamba", 4096, torch.bfloat16, 2)
+    calls.clear()
     precompile_kernels(model, SimpleNamespace(precompile="off"), "cuda", lines.append)
-    assert calls == [] and len(lines) == 2
+    assert calls == [] and len(lines) == 4

@@ -198,8 +198,8 @@ def test_tree_mamba_mixer_replay(megatron_world, device, rmsnorm):
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixer_warm_up_changes_no_bit_of_training(megatron_world, device):
     """``precompile_tree_mamba`` (what ``--shared-prefix-precompile`` runs at start-up: ``warm_up``
-    at every warm-up length) leaves the next forward and backward bitwise what they are without
-    it, and no parameter gradient behind."""
+    at every warm-up length, for rows of a pad multiple of 16 and of any length) leaves the next
+    forward and backward bitwise what they are without it, and no parameter gradient behind."""
     from megatron.shared_prefix.ssm.mamba_mixer import precompile_tree_mamba, scan_warmup_lengths
 
     forest = replay_forest(device)
@@ -216,6 +216,8 @@ def test_mixer_warm_up_changes_no_bit_of_training(megatron_world, device):
 
     before = step()
     mixer.zero_grad(set_to_none=True)
+    lengths = precompile_tree_mamba(mixer, 512, dtype=torch.float32, device=device, multiple=16)
+    assert lengths == scan_warmup_lengths(CHUNK, 512, 16) and len(lengths) == 7
     lengths = precompile_tree_mamba(mixer, 512, dtype=torch.float32, device=device)
     assert lengths == scan_warmup_lengths(CHUNK, 512)
     assert len(lengths) == 35
