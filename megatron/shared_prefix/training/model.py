@@ -119,8 +119,8 @@ def build_model(
 def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log) -> None:
     """``--shared-prefix-precompile``: compile, before the first step, the model's tree attention
     kernels (``precompile_tree_attention``) and its Mamba layers' Triton kernels
-    (``precompile_tree_mamba``) for rows up to the row capacity, of the rows' pad multiple, and
-    log what each took.
+    (``precompile_tree_mamba``) for rows up to the row capacity, of the rows' pad multiple (the
+    parallel one when MTP depths have Mamba layers), and log what each took.
 
     Args:
         config: the run's RunConfig (its ``precompile`` mode and row capacity).
@@ -128,7 +128,7 @@ def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log
     """
     from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
     from megatron.shared_prefix.models.hybrid.validation import row_length_multiple
-    from megatron.shared_prefix.ssm.mamba_mixer import precompile_tree_mamba
+    from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer, precompile_tree_mamba
 
     if config.precompile == "off":
         return
@@ -144,7 +144,10 @@ def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log
     )
     start = time.perf_counter()
     multiple = config.batch.pad_multiple
-    if model.config.mtp_num_layers:
+    if any(
+        isinstance(module, TreeMambaMixer) and "mtp" in name.split(".")
+        for name, module in model.named_modules()
+    ):
         # MTP depths' rows are padded to the parallel multiple only (mtp_layout.mtp_forests).
         multiple = row_length_multiple(model.config)
     lengths = precompile_tree_mamba(

@@ -440,8 +440,8 @@ def test_checkpoint_of_the_earlier_single_file_format_still_resumes(
 
 def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkeypatch):
     """--shared-prefix-precompile: both warm-ups for rows up to the capacity, the Mamba one for
-    rows of the batch's pad multiple (with MTP, of the depths' rows' multiple), one log line each;
-    off compiles nothing."""
+    rows of the batch's pad multiple (with Mamba layers in MTP depths, of the depths' rows'
+    multiple), one log line each; off compiles nothing."""
     from types import SimpleNamespace
 
     import torch
@@ -462,14 +462,22 @@ def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkey
         lambda model, tokens, **kw: calls.append(("mamba", tokens, kw["dtype"], kw["multiple"]))
         or (128, 127),
     )
-    model_config = SimpleNamespace(
+
+    def mixer():
+        """A TreeMambaMixer to find by type (never run)."""
+        module = mamba_mixer.TreeMambaMixer.__new__(mamba_mixer.TreeMambaMixer)
+        torch.nn.Module.__init__(module)
+        return module
+
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(
         params_dtype=torch.bfloat16,
-        mtp_num_layers=None,
         sequence_parallel=True,
         tensor_model_parallel_size=2,
         context_parallel_size=1,
     )
-    model = SimpleNamespace(config=model_config)
+    model.decoder = torch.nn.Module()
+    model.decoder.mixer = mixer()
     config = SimpleNamespace(
         precompile="dynamic", batch=SimpleNamespace(capacity=4096, pad_multiple=16)
     )
@@ -479,7 +487,8 @@ def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkey
     assert "precompiled tree attention (dynamic): kernels for 1 row lengths" in lines[0]
     assert "precompiled tree Mamba: rows of 2 lengths [128, 127]" in lines[1]
     calls.clear()
-    model_config.mtp_num_layers = 1
+    model.mtp = torch.nn.Module()
+    model.mtp.mixer = mixer()
     precompile_kernels(model, config, "cuda", lines.append)
     assert calls[1] == ("mamba", 4096, torch.bfloat16, 2)
     calls.clear()
