@@ -7,6 +7,8 @@ For each forest it times, in one process on one GPU:
 * tree: our FlexAttention path (flex_backend): the block mask built from the forest, the row run on
   the static-shape kernel of its length if that is a bucket, else on the one dynamic-shape kernel
   (the "kernel" column);
+* tree flash, on forests of stars (flash_backend: two flash attention passes merged by log-sum-exp,
+  what ``tree_backend="flash"`` runs on them); empty for deeper forests;
 * stock FlexAttention, what a user would write: the same mask_mod with the block mask from
   ``create_block_mask``, called on permuted views of the same [T, 1, H, D] layout as megatron-core's
   core attention (so every row includes the layout conversion a Megatron layer needs), compiled two
@@ -42,7 +44,7 @@ from benchmark_report import (  # tools/ is on sys.path as a script
 )
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from megatron.shared_prefix.attention import flex_backend
+from megatron.shared_prefix.attention import flash_backend, flex_backend
 from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.tensors import ForestTensors
 
@@ -114,6 +116,12 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
             for key, compile_ in STOCK_COMPILES.items()
         },
     }
+    stars = flash_backend.star_passes(forest) is not None
+    if stars:
+        runs["tree flash"] = forward_backward(
+            lambda q, k, v: flash_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
+            *tree_qkv,
+        )
     # Rounds interleave the methods, so that a slow phase of the GPU (clocks, other tenants) does
     # not fall on one method only; each time is the median of its rounds.
     rounds = {key: [] for key in runs}
@@ -123,6 +131,7 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
     times = {key: statistics.median(values) for key, values in rounds.items()}
     dense, tree = times["dense SDPA"], times["tree"]
     stock = {key: times[key] for key in STOCK_COMPILES}
+    ideal = dense_pairs / tree_pairs
     return {
         "forest": name,
         "tokens dense/tree (row)": f"{len(sequences) * length}/{real} ({layout.num_tokens})",
@@ -132,9 +141,11 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
         **{f"{key} ms": value for key, value in stock.items()},
         "tree speedup": dense / tree,
         **{f"tree / {key}": tree / value for key, value in stock.items()},
-        "ideal (pairs)": dense_pairs / tree_pairs,
+        "ideal (pairs)": ideal,
         "token ratio": len(sequences) * length / real,
-        "tree / ideal": (dense / tree) / (dense_pairs / tree_pairs),
+        "tree / ideal": (dense / tree) / ideal,
+        "tree flash ms": times["tree flash"] if stars else "",
+        "tree flash / ideal": (dense / times["tree flash"]) / ideal if stars else "",
     }
 
 
@@ -151,7 +162,8 @@ def markdown(rows, command):
         "lengths are multiples of 128, which every row here is: no copies); flex static: stock "
         "FlexAttention compiled for this exact length (one compile per distinct row length); flex "
         "dynamic: stock with a dynamic length, what torch.compile uses once a loop has seen a "
-        "second row length; tree / ideal = (dense / tree) / ideal pair ratio.",
+        "second row length; tree / ideal = (dense / tree) / ideal pair ratio; tree flash: "
+        "flash_backend (two flash attention passes, forests of stars only).",
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"

@@ -12,26 +12,37 @@ from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron.shared_prefix.attention import flex_backend, torch_backend
+from megatron.shared_prefix.attention import flash_backend, flex_backend, torch_backend
 from megatron.shared_prefix.tensor_parallel.context_parallel import (
     heads_to_whole_row,
     whole_row_to_heads,
 )
 from megatron.shared_prefix.tensors import current_forest
 
-TREE_ATTENTION_BACKENDS = ("auto", "torch", "flex")
+TREE_ATTENTION_BACKENDS = ("auto", "torch", "flex", "flash")
 
 
 def use_flex_attention(tree_backend: str, is_cuda: bool, num_tokens: int) -> bool:
-    """Whether a row runs on FlexAttention: "flex", or "auto" on CUDA for rows of at least one tile.
+    """Whether a row runs on FlexAttention: "flex", or "auto" (and "flash" where flash_backend
+    cannot run the row) on CUDA for rows of at least one tile.
 
     FlexAttention works in tiles of ``flex_backend.BLOCK_SIZE`` tokens; a row shorter than one tile
     (e.g. a one-token filler row) costs the torch backend at most one tile of scores, and would cost
     FlexAttention a compile of its own (Dynamo specializes sizes 0 and 1).
     """
-    if tree_backend == "auto":
+    if tree_backend in ("auto", "flash"):
         return is_cuda and num_tokens >= flex_backend.BLOCK_SIZE
     return tree_backend == "flex"
+
+
+def tree_attention_backend(tree_backend: str, query, forest):
+    """The backend module of a row: "flash" runs flash_backend where it can (a forest of stars on
+    CUDA in a flash dtype) and is "auto" elsewhere; the others as ``use_flex_attention`` says."""
+    if tree_backend == "flash" and flash_backend.supports(query, forest):
+        return flash_backend
+    if use_flex_attention(tree_backend, query.is_cuda, forest.num_tokens):
+        return flex_backend
+    return torch_backend
 
 
 class TreeDotProductAttention(DotProductAttention):
@@ -48,8 +59,10 @@ class TreeDotProductAttention(DotProductAttention):
     parallel size of 1 and a dense (non-forest) forward under context parallelism is refused.
 
     Args:
-        tree_backend: "flex" (FlexAttention, CUDA), "torch" (runs everywhere; the oracle), or
-            "auto": flex for CUDA rows of at least one FlexAttention tile, torch otherwise.
+        tree_backend: "flex" (FlexAttention, CUDA), "torch" (runs everywhere; the oracle),
+            "auto": flex for CUDA rows of at least one FlexAttention tile, torch otherwise, or
+            "flash": two flash attention passes on rows that are forests of stars
+            (flash_backend), "auto" on other rows.
         Everything else is DotProductAttention's.
     """
 
@@ -113,8 +126,7 @@ class TreeDotProductAttention(DotProductAttention):
         if mask_type != AttnMaskType.causal:
             raise ValueError(f"tree attention needs a causal layer, got attn_mask_type={mask_type}")
         scale = self._tree_softmax_scale()
-        use_flex = use_flex_attention(self.tree_backend, query.is_cuda, forest.num_tokens)
-        backend = flex_backend if use_flex else torch_backend
+        backend = tree_attention_backend(self.tree_backend, query, forest)
         if self.cp_group.size() == 1:
             return backend.tree_attention(query, key, value, forest, softmax_scale=scale)
         return whole_row_to_heads(

@@ -132,6 +132,24 @@ ENTRIES = [
         ),
     ),
     KernelEntry(
+        name="flash_tree_attention",
+        sources=("megatron/shared_prefix/attention/flash_backend.py",),
+        tests=(
+            f"{_KERNEL_TESTS}/test_flash_attention_replay.py::test_flash_tree_attention_replay_cpu",
+            f"{_KERNEL_TESTS}/test_flash_attention_replay.py::test_flash_tree_attention_replay_gpu",
+        ),
+        kind="fused PyTorch op",
+        training_path=True,
+        notes=(
+            "Tree attention of forests of stars (tree_backend='flash'): torch's flash attention "
+            "forward and backward, one varlen pass per segment (causal) and one of the leaves "
+            "against their root, merged by log-sum-exp; the backward runs under "
+            "torch.use_deterministic_algorithms(True), which makes flash's dq accumulation "
+            "deterministic. GPU: bf16 with GQA, 3 runs with concurrent stream work. CPU: the "
+            "passes as torch math (same decomposition and merge)."
+        ),
+    ),
+    KernelEntry(
         name="tree_mamba_scan",
         sources=(
             "megatron/shared_prefix/ssm/tree_scan.py",

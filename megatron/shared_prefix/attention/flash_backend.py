@@ -1,0 +1,336 @@
+"""Tree attention of a forest of stars on flash attention: two passes merged by log-sum-exp.
+
+A forest of stars is a row whose segments are roots and children of roots, none deeper: the GRPO
+batch (a prompt, then its completions) and packed dense rows (roots only). A token of a root
+attends the tokens before it in the root; a token of a leaf attends the tokens before it in the
+leaf and all of its root. So the row's attention is two flash calls:
+
+* pass A, every segment against itself, causal: one varlen call whose sequences are the segments
+  (what packed dense attention runs);
+* pass B, the leaves of each star against its root, not causal: one varlen call whose query
+  sequences are the leaf tokens of each star with children and whose key sequences are its root.
+
+The leaf tokens' two partial results merge by their log-sum-exps: with ``l = logaddexp(lA, lB)``,
+``o = oA exp(lA - l) + oB exp(lB - l)``. Backward: flash's backward of a pass, handed the merged
+output and log-sum-exp, computes that pass's share of dq, dk and dv of the whole softmax (its
+probabilities ``exp(s - l)`` are the whole row's, and so is ``rowsum(do * o)``); autograd through
+the two calls would differentiate each pass's own normalization instead. torch's flash backward
+is deterministic only under ``torch.use_deterministic_algorithms``, which the backward turns on for
+its two calls. Off CUDA the passes run as plain torch math (the same decomposition, for tests).
+"""
+
+import contextlib
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megatron.shared_prefix.tensors import ForestTensors, host_to_device
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashPass:
+    """One varlen call: query sequences ``query_bounds[i]:query_bounds[i + 1]`` of the gathered
+    queries against key sequences ``key_bounds[i]:key_bounds[i + 1]`` of the gathered keys.
+
+    Attributes:
+        query_index: [Q] packed token of each query row, None for the whole row in order.
+        key_index: [K] packed token of each key row, None for the whole row in order.
+        query_bounds, key_bounds: [N + 1] int32 cumulative lengths, on the forest's device.
+        host_query_bounds, host_key_bounds: the same on the host.
+        max_query, max_key: longest query and key sequence.
+        causal: whether query ``j`` of a sequence sees only keys ``<= j`` (equal lengths here).
+    """
+
+    query_index: Optional[torch.Tensor]
+    key_index: Optional[torch.Tensor]
+    query_bounds: torch.Tensor
+    key_bounds: torch.Tensor
+    host_query_bounds: np.ndarray
+    host_key_bounds: np.ndarray
+    max_query: int
+    max_key: int
+    causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StarPasses:
+    """The two passes of a forest of stars (``star_passes``); ``leaves`` is None without leaves."""
+
+    segments: FlashPass
+    leaves: Optional[FlashPass]
+
+
+def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens of the ranges ``[starts[i], ends[i])`` in order, [N + 1] int32 cumulative lengths)."""
+    lengths = ends - starts
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tokens = np.repeat(starts - bounds[:-1], lengths) + np.arange(bounds[-1])
+    return tokens.astype(np.int64), bounds
+
+
+def star_passes(forest: ForestTensors) -> Optional[StarPasses]:
+    """The passes of ``forest``, or None when some segment is two levels below a root. Built on
+    the host from the layout once per row (cached on the forest)."""
+
+    def build():
+        layout = forest.layout
+        starts, lengths, parents = (
+            layout.segment_starts,
+            layout.segment_lengths,
+            layout.segment_parents,
+        )
+        children = parents >= 0
+        if np.any(parents[parents[children]] >= 0):
+            return None
+        device = forest.device
+
+        def flash_pass(query_tokens, query_bounds, key_tokens, key_bounds, causal):
+            return FlashPass(
+                query_index=None if query_tokens is None else host_to_device(query_tokens, device),
+                key_index=None if key_tokens is None else host_to_device(key_tokens, device),
+                query_bounds=host_to_device(query_bounds, device),
+                key_bounds=host_to_device(key_bounds, device),
+                host_query_bounds=query_bounds,
+                host_key_bounds=key_bounds,
+                max_query=int(np.diff(query_bounds).max()),
+                max_key=int(np.diff(key_bounds).max()),
+                causal=causal,
+            )
+
+        segment_bounds = np.append(starts, forest.num_tokens).astype(np.int32)
+        segments = flash_pass(None, segment_bounds, None, segment_bounds, causal=True)
+        roots = np.flatnonzero(~children)
+        root_starts = starts[roots]
+        root_ends = root_starts + lengths[roots]
+        subtree_ends = np.append(root_starts[1:], forest.num_tokens)
+        with_leaves = subtree_ends > root_ends
+        if not with_leaves.any():
+            return StarPasses(segments, None)
+        leaf_tokens, leaf_bounds = _ranges(root_ends[with_leaves], subtree_ends[with_leaves])
+        root_tokens, root_bounds = _ranges(root_starts[with_leaves], root_ends[with_leaves])
+        leaves = flash_pass(leaf_tokens, leaf_bounds, root_tokens, root_bounds, causal=False)
+        return StarPasses(segments, leaves)
+
+    return forest.derive(("star_passes",), build)
+
+
+def supports(query: torch.Tensor, forest: ForestTensors) -> bool:
+    """Whether the flash passes run this row: a forest of stars, on CUDA, in a flash dtype, with a
+    head dimension flash attention takes (a multiple of 8, at most 256)."""
+    head_dim = query.shape[-1]
+    return (
+        query.is_cuda
+        and query.dtype in FLASH_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and star_passes(forest) is not None
+    )
+
+
+def _gather(tensor: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+    """The rows ``index`` of ``tensor`` (all of them for None)."""
+    return tensor if index is None else tensor.index_select(0, index)
+
+
+def _math_forward(q, k, v, flash_pass: FlashPass, scale: float):
+    """Pass forward in plain torch: ([Q, H, D] output, [H, Q] log-sum-exp; float32, float64 for
+    float64 inputs)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    repeat = q.shape[1] // k.shape[1]
+    outputs, lses = [], []
+    for i in range(len(flash_pass.host_query_bounds) - 1):
+        qs = slice(*map(int, flash_pass.host_query_bounds[i : i + 2]))
+        ks = slice(*map(int, flash_pass.host_key_bounds[i : i + 2]))
+        scores = _scores(q[qs], k[ks], repeat, scale, flash_pass.causal, compute)
+        lse = torch.logsumexp(scores, dim=-1)  # [H, q]
+        probs = torch.exp(scores - lse[..., None])
+        values = v[ks].to(compute).repeat_interleave(repeat, dim=1)
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outputs), torch.cat(lses, dim=1)
+
+
+def _scores(q, k, repeat, scale, causal, compute):
+    keys = k.to(compute).repeat_interleave(repeat, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(compute), keys) * scale
+    if causal:
+        visible = torch.ones(scores.shape[1:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores
+
+
+def _math_backward(grad, q, k, v, out, lse, flash_pass: FlashPass, scale: float):
+    """Pass backward in plain torch, given the merged output and log-sum-exp (flash's formulas)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    repeat = q.shape[1] // k.shape[1]
+    dq, dk, dv = (torch.zeros(t.shape, dtype=compute, device=t.device) for t in (q, k, v))
+    for i in range(len(flash_pass.host_query_bounds) - 1):
+        qs = slice(*map(int, flash_pass.host_query_bounds[i : i + 2]))
+        ks = slice(*map(int, flash_pass.host_key_bounds[i : i + 2]))
+        scores = _scores(q[qs], k[ks], repeat, scale, flash_pass.causal, compute)
+        probs = torch.exp(scores - lse[:, qs, None].to(compute))  # [H, q, k]
+        g = grad[qs].to(compute)
+        values = v[ks].to(compute).repeat_interleave(repeat, dim=1)
+        row_dot = (g * out[qs].to(compute)).sum(-1).transpose(0, 1)  # [H, q]
+        dscores = probs * (torch.einsum("qhd,khd->hqk", g, values) - row_dot[..., None])
+        keys = k[ks].to(compute).repeat_interleave(repeat, dim=1)
+        dq[qs] = torch.einsum("hqk,khd->qhd", dscores, keys) * scale
+        grouped = (-1, k.shape[1], repeat, k.shape[2])
+        dk[ks] = (
+            (torch.einsum("hqk,qhd->khd", dscores, q[qs].to(compute)) * scale)
+            .reshape(grouped)
+            .sum(2)
+        )
+        dv[ks] = torch.einsum("hqk,qhd->khd", probs, g).reshape(grouped).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _pass_forward(q, k, v, flash_pass: FlashPass, scale: float):
+    if not q.is_cuda:
+        return _math_forward(q, k, v, flash_pass, scale)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        flash_pass.query_bounds,
+        flash_pass.key_bounds,
+        flash_pass.max_query,
+        flash_pass.max_key,
+        0.0,
+        flash_pass.causal,
+        False,
+        scale=scale,
+    )
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise RuntimeError(
+            f"flash attention returned a log-sum-exp of shape {tuple(lse.shape)}, not the "
+            f"[heads, tokens] = {(q.shape[1], q.shape[0])} of its varlen form"
+        )
+    return out, lse
+
+
+@contextlib.contextmanager
+def _deterministic():
+    """torch.use_deterministic_algorithms(True) inside, the caller's setting restored after."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _pass_backward(grad, q, k, v, out, lse, flash_pass: FlashPass, scale: float):
+    if not q.is_cuda:
+        return _math_backward(grad, q, k, v, out, lse, flash_pass, scale)
+    no_dropout_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    with _deterministic():
+        return torch.ops.aten._flash_attention_backward(
+            grad,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            flash_pass.query_bounds,
+            flash_pass.key_bounds,
+            flash_pass.max_query,
+            flash_pass.max_key,
+            0.0,
+            flash_pass.causal,
+            no_dropout_state,
+            torch.empty(0, device=q.device),
+            scale=scale,
+        )
+
+
+class _StarAttention(torch.autograd.Function):
+    """[T, H, D] queries, [T, G, D] keys and values -> [T, H, D] (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, passes: StarPasses, scale: float):
+        out, lse = _pass_forward(q, k, v, passes.segments, scale)
+        leaves = passes.leaves
+        if leaves is not None:
+            leaf_out, leaf_lse = _pass_forward(
+                _gather(q, leaves.query_index),
+                _gather(k, leaves.key_index),
+                _gather(v, leaves.key_index),
+                leaves,
+                scale,
+            )
+            segment_lse = lse.index_select(1, leaves.query_index)
+            merged_lse = torch.logaddexp(segment_lse, leaf_lse)
+            weights = [
+                torch.exp(part - merged_lse).t()[..., None] for part in (segment_lse, leaf_lse)
+            ]
+            compute = merged_lse.dtype
+            merged = out.index_select(0, leaves.query_index).to(compute) * weights[0]
+            merged = merged + leaf_out.to(compute) * weights[1]
+            out = out.index_put((leaves.query_index,), merged.to(out.dtype))
+            lse = lse.t().index_put((leaves.query_index,), merged_lse.t()).t().contiguous()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.passes, ctx.scale = passes, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        passes, scale = ctx.passes, ctx.scale
+        grad = grad.contiguous()
+        dq, dk, dv = _pass_backward(grad, q, k, v, out, lse, passes.segments, scale)
+        leaves = passes.leaves
+        if leaves is not None:
+            rows, keys = leaves.query_index, leaves.key_index
+            leaf_dq, leaf_dk, leaf_dv = _pass_backward(
+                grad.index_select(0, rows),
+                q.index_select(0, rows),
+                k.index_select(0, keys),
+                v.index_select(0, keys),
+                out.index_select(0, rows),
+                lse.index_select(1, rows).contiguous(),
+                leaves,
+                scale,
+            )
+            dq = dq.index_put((rows,), dq.index_select(0, rows) + leaf_dq)
+            dk = dk.index_put((keys,), dk.index_select(0, keys) + leaf_dk)
+            dv = dv.index_put((keys,), dv.index_select(0, keys) + leaf_dv)
+        return dq, dk, dv, None, None
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    forest: ForestTensors,
+    *,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Attention of every packed token over its root path, for a forest of stars.
+
+    Args:
+        query: [T, 1, H, D].
+        key, value: [T, 1, G, D] with G dividing H (query head h reads group h // (H // G)).
+        forest: the row's metadata, a forest of stars (``star_passes`` is not None).
+        softmax_scale: multiplier of q.k before the softmax.
+
+    Returns:
+        [T, 1, H * D] context in the query's dtype.
+    """
+    num_tokens, batch, num_heads, head_dim = query.shape
+    if batch != 1 or num_tokens != forest.num_tokens:
+        raise ValueError(
+            f"tree attention expects [T={forest.num_tokens}, 1, H, D] queries for this forest, "
+            f"got {tuple(query.shape)}"
+        )
+    passes = star_passes(forest)
+    if passes is None:
+        raise ValueError("flash tree attention needs a forest of stars (no segment below a leaf)")
+    q, k, v = (tensor[:, 0].contiguous() for tensor in (query, key, value))
+    out = _StarAttention.apply(q, k, v, passes, softmax_scale)
+    return out.reshape(num_tokens, 1, num_heads * head_dim)
