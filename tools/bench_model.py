@@ -42,12 +42,13 @@ step counts), the median of ``--repeats`` steps after two warm-up steps.
 Usage:
     python tools/bench_model.py [--patterns moe,nemotron] [--repeats 5] [--first-step moe]
         [--mtp-num-layers N [--mtp-pattern '*-']] [--write docs/benchmarks.md] [--json log.json]
-        [--profile] [--kept-memory]
+        [--profile] [--kept-memory] [--output-chunk-tokens N] [--attention-backend flash]
 
 With ``--mtp-num-layers N`` every pattern gets N multi-token prediction depths (the cost of MTP:
 tree against packed dense, both with MTP on), written to a section of its own; so does
 ``--output-chunk-tokens N`` (the model's ``shared_prefix_output_chunk_tokens``, tree and packed
-dense alike: the time and peak memory of the chunked, recomputed loss). ``--kept-memory`` times
+dense alike: the time and peak memory of the chunked, recomputed loss), and so does
+``--attention-backend flash`` (tree attention on flash_backend where a row is a forest of stars). ``--kept-memory`` times
 nothing: it tabulates, per layer kind, the memory that autograd keeps for backward on the longest
 tree and packed dense rows (``kept_for_backward``), where a difference in peak memory per token is
 located.
@@ -76,6 +77,7 @@ from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
 SECTION = "Whole model (tools/bench_model.py)"
 MTP_SECTION = "Whole model with MTP (tools/bench_model.py --mtp-num-layers)"
 CHUNK_SECTION = "Whole model with output chunks (tools/bench_model.py --output-chunk-tokens)"
+FLASH_SECTION = "Whole model with flash attention (tools/bench_model.py --attention-backend flash)"
 FIRST_STEP_SECTION = "Whole model: first step and compilation (tools/bench_model.py --first-step)"
 KEPT_SECTION = "Whole model: memory kept for backward (tools/bench_model.py --kept-memory)"
 
@@ -287,7 +289,9 @@ def build_model(pattern, args, device):
     torch.manual_seed(0)
     return SharedPrefixHybridModel(
         config,
-        hybrid_stack_spec=hybrid_stack_spec(config.num_moe_experts),
+        hybrid_stack_spec=hybrid_stack_spec(
+            config.num_moe_experts, attention_backend=getattr(args, "attention_backend", "auto")
+        ),
         vocab_size=args.vocab,
         max_sequence_length=8192,
         hybrid_layer_pattern=pattern,
@@ -716,6 +720,8 @@ def _section(args, tables):
         return MTP_SECTION
     if getattr(args, "output_chunk_tokens", 0):
         return CHUNK_SECTION
+    if getattr(args, "attention_backend", "auto") == "flash":
+        return FLASH_SECTION
     return SECTION if tables else FIRST_STEP_SECTION
 
 
@@ -734,6 +740,12 @@ def markdown(tables, first, command, args):
         notes += (
             f" Output chunks: the output layer and loss of every forest row (tree and packed "
             f"dense) run over {chunks} sources at a time, each chunk recomputed in the backward."
+        )
+    if getattr(args, "attention_backend", "auto") == "flash":
+        notes += (
+            " Attention: tree_backend 'flash', tree and packed dense alike (flash_backend's two "
+            "flash attention passes on forests of stars, FlexAttention on deeper rows); the "
+            "attention share is timed on the same backend."
         )
     if getattr(args, "kept_memory", False):
         setup = (
@@ -823,6 +835,12 @@ def main():
         type=int,
         default=0,
         help="the models' shared_prefix_output_chunk_tokens (0: the whole row's loss at once)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=("auto", "flash"),
+        default="auto",
+        help="the models' tree attention backend (hybrid_stack_spec's attention_backend)",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-step", help="also time fresh processes of this pattern")

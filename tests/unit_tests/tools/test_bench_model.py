@@ -150,6 +150,27 @@ def test_output_chunk_option_builds_the_chunked_model_and_section(tool, megatron
     )  # pylint: disable=protected-access
 
 
+def test_attention_backend_option_builds_flash_layers_and_section(tool, megatron_world):
+    """--attention-backend flash builds every attention layer with tree_backend 'flash' and writes
+    its own section."""
+    from types import SimpleNamespace
+
+    from megatron.shared_prefix.attention.dot_product_attention import TreeDotProductAttention
+
+    args = SimpleNamespace(
+        mtp_num_layers=0, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=128
+    )
+    layers = lambda model: [  # noqa: E731
+        m.tree_backend for m in model.modules() if isinstance(m, TreeDotProductAttention)
+    ]
+    assert layers(tool.build_model("M*-*", args, "cpu")) == ["auto", "auto"]
+    args.attention_backend = "flash"
+    assert layers(tool.build_model("M*-*", args, "cpu")) == ["flash", "flash"]
+    assert (
+        tool._section(args, {"moe": []}) == tool.FLASH_SECTION
+    )  # pylint: disable=protected-access
+
+
 def test_component_times_run_every_component(tool, megatron_world):
     """The attention and output-layer timings run (on CPU here) on rows of the model."""
     from types import SimpleNamespace
