@@ -180,6 +180,15 @@ def add_shared_prefix_args(
         "(default): kernels compile when a row first needs them.",
     )
     group.add_argument(
+        "--shared-prefix-attention-backend",
+        choices=("auto", "flex", "torch", "flash"),
+        default="auto",
+        help="Tree attention backend of the attention layers: auto (default: FlexAttention on "
+        "CUDA, torch elsewhere), flex, torch, or flash (torch's flash attention in two passes on "
+        "rows that are forests of stars, e.g. GRPO groups and packed dense rows; auto on other "
+        "rows).",
+    )
+    group.add_argument(
         "--shared-prefix-output-chunk-tokens",
         type=int,
         default=0,

@@ -97,7 +97,9 @@ def build_model(
     return SharedPrefixHybridModel(
         config,
         hybrid_stack_spec=hybrid_stack_spec(
-            args.num_experts, use_te=args.transformer_impl == "transformer_engine"
+            args.num_experts,
+            use_te=args.transformer_impl == "transformer_engine",
+            attention_backend=args.shared_prefix_attention_backend,
         ),
         vocab_size=padded_vocab_size(args),
         max_sequence_length=args.max_position_embeddings,

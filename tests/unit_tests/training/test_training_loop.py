@@ -438,6 +438,19 @@ def test_checkpoint_of_the_earlier_single_file_format_still_resumes(
     assert resumed[0].loss == pytest.approx(expected, rel=1e-6)
 
 
+def test_attention_backend_flag_reaches_every_attention_layer(megatron_world):
+    """--shared-prefix-attention-backend: the tree attention backend of every attention layer."""
+    from megatron.shared_prefix.attention.dot_product_attention import TreeDotProductAttention
+    from megatron.shared_prefix.training.arguments import parse_arguments
+    from megatron.shared_prefix.training.model import build_model, transformer_config
+
+    for backend in ("auto", "flash"):
+        args = parse_arguments([*FAST, "--shared-prefix-attention-backend", backend])
+        model = build_model(args, transformer_config(args, portable=True))
+        layers = [m for m in model.modules() if isinstance(m, TreeDotProductAttention)]
+        assert layers and {layer.tree_backend for layer in layers} == {backend}
+
+
 def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkeypatch):
     """--shared-prefix-precompile: both warm-ups for rows up to the capacity, the Mamba one for
     rows of the batch's pad multiple (with Mamba layers in MTP depths, of the depths' rows'
