@@ -7,8 +7,8 @@ For each forest it times, in one process on one GPU:
 * tree: our FlexAttention path (flex_backend): the block mask built from the forest, the row run on
   the static-shape kernel of its length if that is a bucket, else on the one dynamic-shape kernel
   (the "kernel" column);
-* tree flash, on forests of stars (flash_backend: two flash attention passes merged by log-sum-exp,
-  what ``tree_backend="flash"`` runs on them); empty for deeper forests;
+* tree flash: flash_backend (flash attention passes, one per segment and one per ancestor depth,
+  merged by log-sum-exp: what ``tree_backend="flash"`` runs);
 * stock FlexAttention, what a user would write: the same mask_mod with the block mask from
   ``create_block_mask``, called on permuted views of the same [T, 1, H, D] layout as megatron-core's
   core attention (so every row includes the layout conversion a Megatron layer needs), compiled two
@@ -116,12 +116,10 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
             for key, compile_ in STOCK_COMPILES.items()
         },
     }
-    stars = flash_backend.star_passes(forest) is not None
-    if stars:
-        runs["tree flash"] = forward_backward(
-            lambda q, k, v: flash_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
-            *tree_qkv,
-        )
+    runs["tree flash"] = forward_backward(
+        lambda q, k, v: flash_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
+        *tree_qkv,
+    )
     # Rounds interleave the methods, so that a slow phase of the GPU (clocks, other tenants) does
     # not fall on one method only; each time is the median of its rounds.
     rounds = {key: [] for key in runs}
@@ -144,8 +142,8 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
         "ideal (pairs)": ideal,
         "token ratio": len(sequences) * length / real,
         "tree / ideal": (dense / tree) / ideal,
-        "tree flash ms": times["tree flash"] if stars else "",
-        "tree flash / ideal": (dense / times["tree flash"]) / ideal if stars else "",
+        "tree flash ms": times["tree flash"],
+        "tree flash / ideal": (dense / times["tree flash"]) / ideal,
     }
 
 
@@ -163,7 +161,7 @@ def markdown(rows, command):
         "FlexAttention compiled for this exact length (one compile per distinct row length); flex "
         "dynamic: stock with a dynamic length, what torch.compile uses once a loop has seen a "
         "second row length; tree / ideal = (dense / tree) / ideal pair ratio; tree flash: "
-        "flash_backend (two flash attention passes, forests of stars only).",
+        "flash_backend (flash attention passes: the segments, then one per ancestor depth).",
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"

@@ -48,7 +48,7 @@ With ``--mtp-num-layers N`` every pattern gets N multi-token prediction depths (
 tree against packed dense, both with MTP on), written to a section of its own; so does
 ``--output-chunk-tokens N`` (the model's ``shared_prefix_output_chunk_tokens``, tree and packed
 dense alike: the time and peak memory of the chunked, recomputed loss), and so does
-``--attention-backend flash`` (tree attention on flash_backend where a row is a forest of stars). ``--kept-memory`` times
+``--attention-backend flash`` (tree attention on flash_backend). ``--kept-memory`` times
 nothing: it tabulates, per layer kind, the memory that autograd keeps for backward on the longest
 tree and packed dense rows (``kept_for_backward``), where a difference in peak memory per token is
 located.
@@ -743,9 +743,9 @@ def markdown(tables, first, command, args):
         )
     if getattr(args, "attention_backend", "auto") == "flash":
         notes += (
-            " Attention: tree_backend 'flash', tree and packed dense alike (flash_backend's two "
-            "flash attention passes on forests of stars, FlexAttention on deeper rows); the "
-            "attention share is timed on the same backend."
+            " Attention: tree_backend 'flash', tree and packed dense alike (flash_backend: flash "
+            "attention passes, the segments, then one per ancestor depth); the attention share is "
+            "timed on the same backend."
         )
     if getattr(args, "kept_memory", False):
         setup = (

@@ -148,8 +148,9 @@ PULL_REQUESTS = (
         "rounded up to 128: a length that is a bucket (<= 4 per octave) runs a kernel compiled with "
         "static shapes, every other length one dynamic-shape kernel (IS_DIVISIBLE), so a run "
         "compiles once per bucket it meets, however row lengths vary. Opt-in (tree_backend="
-        "'flash'): flash_backend runs forests of stars on torch's flash attention, two varlen "
-        "passes merged by log-sum-exp, each pass's backward given the merged output.",
+        "'flash'): flash_backend runs rows on torch's flash attention, a varlen pass per segment "
+        "and one per ancestor depth, merged by log-sum-exp, each pass's backward given the merged "
+        "output.",
         "H200, bf16, forward+backward, 5 benchmark forests (tools/bench_attention.py --repeats 10 "
         "--rounds 3): tree/flex static 0.96-1.00, tree/flex dynamic 0.74-0.78, speedup over dense "
         "SDPA 0.93-3.36x; static and dynamic kernels agree bitwise (GPU test).",

@@ -36,9 +36,9 @@ def use_flex_attention(tree_backend: str, is_cuda: bool, num_tokens: int) -> boo
 
 
 def tree_attention_backend(tree_backend: str, query, forest):
-    """The backend module of a row: "flash" runs flash_backend where it can (a forest of stars on
-    CUDA in a flash dtype) and is "auto" elsewhere; the others as ``use_flex_attention`` says."""
-    if tree_backend == "flash" and flash_backend.supports(query, forest):
+    """The backend module of a row: "flash" runs flash_backend where it can (on CUDA, in a flash
+    dtype) and is "auto" elsewhere; the others as ``use_flex_attention`` says."""
+    if tree_backend == "flash" and flash_backend.supports(query):
         return flash_backend
     if use_flex_attention(tree_backend, query.is_cuda, forest.num_tokens):
         return flex_backend
@@ -61,8 +61,8 @@ class TreeDotProductAttention(DotProductAttention):
     Args:
         tree_backend: "flex" (FlexAttention, CUDA), "torch" (runs everywhere; the oracle),
             "auto": flex for CUDA rows of at least one FlexAttention tile, torch otherwise, or
-            "flash": two flash attention passes on rows that are forests of stars
-            (flash_backend), "auto" on other rows.
+            "flash": flash attention, one pass per segment and one per ancestor depth, merged
+            by log-sum-exp (flash_backend; CUDA, bf16/fp16), "auto" where it cannot run.
         Everything else is DotProductAttention's.
     """
 

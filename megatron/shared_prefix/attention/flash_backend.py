@@ -1,22 +1,27 @@
-"""Tree attention of a forest of stars on flash attention: two passes merged by log-sum-exp.
+"""Tree attention on flash attention: one varlen pass per ancestor depth, merged by log-sum-exp.
 
-A forest of stars is a row whose segments are roots and children of roots, none deeper: the GRPO
-batch (a prompt, then its completions) and packed dense rows (roots only). A token of a root
-attends the tokens before it in the root; a token of a leaf attends the tokens before it in the
-leaf and all of its root. So the row's attention is two flash calls:
+A token attends the tokens before it in its own segment and every token of its segment's
+ancestors. In DFS order a segment's descendants are one contiguous range of tokens, right after
+the segment, and the segment's tokens are one range too. So the row's attention is a few flash
+calls:
 
-* pass A, every segment against itself, causal: one varlen call whose sequences are the segments
-  (what packed dense attention runs);
-* pass B, the leaves of each star against its root, not causal: one varlen call whose query
-  sequences are the leaf tokens of each star with children and whose key sequences are its root.
+* the segment pass: every segment against itself, causal, one varlen call whose sequences are the
+  segments (what packed dense attention runs);
+* one ancestor pass per depth ``d`` of the forest below its deepest level: for every segment at
+  depth ``d`` that has descendants, those descendants' tokens (queries) against the segment's
+  tokens (keys), not causal, as one varlen call. A token at depth ``D`` takes part in the passes of
+  depths ``0 .. D - 1``, once for each of its ancestors.
 
-The leaf tokens' two partial results merge by their log-sum-exps: with ``l = logaddexp(lA, lB)``,
-``o = oA exp(lA - l) + oB exp(lB - l)``. Backward: flash's backward of a pass, handed the merged
+A GRPO batch (a prompt, then its completions: a star) needs the segment pass and one ancestor
+pass; packed dense rows (roots only) the segment pass alone. The partial results of a token merge
+by their log-sum-exps: with ``l = logaddexp(l1, l2)``, ``o = o1 exp(l1 - l) + o2 exp(l2 - l)``,
+accumulated in float32 and rounded once. Backward: flash's backward of a pass, handed the merged
 output and log-sum-exp, computes that pass's share of dq, dk and dv of the whole softmax (its
 probabilities ``exp(s - l)`` are the whole row's, and so is ``rowsum(do * o)``); autograd through
-the two calls would differentiate each pass's own normalization instead. torch's flash backward
-is deterministic only under ``torch.use_deterministic_algorithms``, which the backward turns on for
-its two calls. Off CUDA the passes run as plain torch math (the same decomposition, for tests).
+the separate calls would differentiate each pass's own normalization instead. The shares add up in
+float32. torch's flash backward is deterministic only under ``torch.use_deterministic_algorithms``,
+which the backward turns on for its calls. Off CUDA the passes run as plain torch math (the same
+decomposition, for tests).
 """
 
 import contextlib
@@ -57,11 +62,11 @@ class FlashPass:
 
 
 @dataclasses.dataclass(frozen=True)
-class StarPasses:
-    """The two passes of a forest of stars (``star_passes``); ``leaves`` is None without leaves."""
+class FlashPasses:
+    """The passes of a row (``flash_passes``): the segment pass, then one per ancestor depth."""
 
     segments: FlashPass
-    leaves: Optional[FlashPass]
+    ancestors: tuple[FlashPass, ...]
 
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,9 +77,9 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return tokens.astype(np.int64), bounds
 
 
-def star_passes(forest: ForestTensors) -> Optional[StarPasses]:
-    """The passes of ``forest``, or None when some segment is two levels below a root. Built on
-    the host from the layout once per row (cached on the forest)."""
+def flash_passes(forest: ForestTensors) -> FlashPasses:
+    """The passes of ``forest``'s row, built on the host from the layout once per row (cached on
+    the forest)."""
 
     def build():
         layout = forest.layout
@@ -83,9 +88,16 @@ def star_passes(forest: ForestTensors) -> Optional[StarPasses]:
             layout.segment_lengths,
             layout.segment_parents,
         )
-        children = parents >= 0
-        if np.any(parents[parents[children]] >= 0):
-            return None
+        ends = starts + lengths
+        depth = np.zeros(len(parents), dtype=np.int64)
+        subtree_ends = ends.copy()
+        for segment in range(len(parents)):  # parents come first
+            if parents[segment] >= 0:
+                depth[segment] = depth[parents[segment]] + 1
+        for segment in range(len(parents) - 1, -1, -1):  # descendants first
+            parent = parents[segment]
+            if parent >= 0:
+                subtree_ends[parent] = max(subtree_ends[parent], subtree_ends[segment])
         device = forest.device
 
         def flash_pass(query_tokens, query_bounds, key_tokens, key_bounds, causal):
@@ -102,38 +114,25 @@ def star_passes(forest: ForestTensors) -> Optional[StarPasses]:
             )
 
         segment_bounds = np.append(starts, forest.num_tokens).astype(np.int32)
+        ancestors = []
+        for level in range(int(depth.max(initial=0))):
+            above = np.flatnonzero((depth == level) & (subtree_ends > ends))
+            query_tokens, query_bounds = _ranges(ends[above], subtree_ends[above])
+            key_tokens, key_bounds = _ranges(starts[above], ends[above])
+            ancestors.append(
+                flash_pass(query_tokens, query_bounds, key_tokens, key_bounds, causal=False)
+            )
         segments = flash_pass(None, segment_bounds, None, segment_bounds, causal=True)
-        roots = np.flatnonzero(~children)
-        root_starts = starts[roots]
-        root_ends = root_starts + lengths[roots]
-        subtree_ends = np.append(root_starts[1:], forest.num_tokens)
-        with_leaves = subtree_ends > root_ends
-        if not with_leaves.any():
-            return StarPasses(segments, None)
-        leaf_tokens, leaf_bounds = _ranges(root_ends[with_leaves], subtree_ends[with_leaves])
-        root_tokens, root_bounds = _ranges(root_starts[with_leaves], root_ends[with_leaves])
-        leaves = flash_pass(leaf_tokens, leaf_bounds, root_tokens, root_bounds, causal=False)
-        return StarPasses(segments, leaves)
+        return FlashPasses(segments, tuple(ancestors))
 
-    return forest.derive(("star_passes",), build)
+    return forest.derive(("flash_passes",), build)
 
 
-def supports(query: torch.Tensor, forest: ForestTensors) -> bool:
-    """Whether the flash passes run this row: a forest of stars, on CUDA, in a flash dtype, with a
-    head dimension flash attention takes (a multiple of 8, at most 256)."""
+def supports(query: torch.Tensor) -> bool:
+    """Whether the flash passes run rows of ``query``: on CUDA, in a flash dtype, with a head
+    dimension flash attention takes (a multiple of 8, at most 256)."""
     head_dim = query.shape[-1]
-    return (
-        query.is_cuda
-        and query.dtype in FLASH_DTYPES
-        and head_dim % 8 == 0
-        and head_dim <= 256
-        and star_passes(forest) is not None
-    )
-
-
-def _gather(tensor: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    """The rows ``index`` of ``tensor`` (all of them for None)."""
-    return tensor if index is None else tensor.index_select(0, index)
+    return query.is_cuda and query.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
 
 
 def _math_forward(q, k, v, flash_pass: FlashPass, scale: float):
@@ -249,31 +248,32 @@ def _pass_backward(grad, q, k, v, out, lse, flash_pass: FlashPass, scale: float)
         )
 
 
-class _StarAttention(torch.autograd.Function):
+class _TreeAttention(torch.autograd.Function):
     """[T, H, D] queries, [T, G, D] keys and values -> [T, H, D] (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, passes: StarPasses, scale: float):
+    def forward(ctx, q, k, v, passes: FlashPasses, scale: float):
         out, lse = _pass_forward(q, k, v, passes.segments, scale)
-        leaves = passes.leaves
-        if leaves is not None:
-            leaf_out, leaf_lse = _pass_forward(
-                _gather(q, leaves.query_index),
-                _gather(k, leaves.key_index),
-                _gather(v, leaves.key_index),
-                leaves,
-                scale,
-            )
-            segment_lse = lse.index_select(1, leaves.query_index)
-            merged_lse = torch.logaddexp(segment_lse, leaf_lse)
-            weights = [
-                torch.exp(part - merged_lse).t()[..., None] for part in (segment_lse, leaf_lse)
-            ]
-            compute = merged_lse.dtype
-            merged = out.index_select(0, leaves.query_index).to(compute) * weights[0]
-            merged = merged + leaf_out.to(compute) * weights[1]
-            out = out.index_put((leaves.query_index,), merged.to(out.dtype))
-            lse = lse.t().index_put((leaves.query_index,), merged_lse.t()).t().contiguous()
+        if passes.ancestors:
+            merged = out.to(lse.dtype)  # float32 (float64 for float64 inputs), rounded once
+            for ancestor in passes.ancestors:
+                rows = ancestor.query_index
+                part_out, part_lse = _pass_forward(
+                    q.index_select(0, rows),
+                    k.index_select(0, ancestor.key_index),
+                    v.index_select(0, ancestor.key_index),
+                    ancestor,
+                    scale,
+                )
+                row_lse = lse.index_select(1, rows)
+                new_lse = torch.logaddexp(row_lse, part_lse)
+                kept, added = (
+                    torch.exp(part - new_lse).t()[..., None] for part in (row_lse, part_lse)
+                )
+                row_out = merged.index_select(0, rows) * kept + part_out.to(lse.dtype) * added
+                merged = merged.index_put((rows,), row_out)
+                lse = lse.t().index_put((rows,), new_lse.t()).t().contiguous()
+            out = merged.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.passes, ctx.scale = passes, scale
         return out
@@ -284,22 +284,25 @@ class _StarAttention(torch.autograd.Function):
         passes, scale = ctx.passes, ctx.scale
         grad = grad.contiguous()
         dq, dk, dv = _pass_backward(grad, q, k, v, out, lse, passes.segments, scale)
-        leaves = passes.leaves
-        if leaves is not None:
-            rows, keys = leaves.query_index, leaves.key_index
-            leaf_dq, leaf_dk, leaf_dv = _pass_backward(
-                grad.index_select(0, rows),
-                q.index_select(0, rows),
-                k.index_select(0, keys),
-                v.index_select(0, keys),
-                out.index_select(0, rows),
-                lse.index_select(1, rows).contiguous(),
-                leaves,
-                scale,
-            )
-            dq = dq.index_put((rows,), dq.index_select(0, rows) + leaf_dq)
-            dk = dk.index_put((keys,), dk.index_select(0, keys) + leaf_dk)
-            dv = dv.index_put((keys,), dv.index_select(0, keys) + leaf_dv)
+        if passes.ancestors:
+            accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
+            dq, dk, dv = (t.to(accumulate) for t in (dq, dk, dv))
+            for ancestor in passes.ancestors:
+                rows, keys = ancestor.query_index, ancestor.key_index
+                part_dq, part_dk, part_dv = _pass_backward(
+                    grad.index_select(0, rows),
+                    q.index_select(0, rows),
+                    k.index_select(0, keys),
+                    v.index_select(0, keys),
+                    out.index_select(0, rows),
+                    lse.index_select(1, rows).contiguous(),
+                    ancestor,
+                    scale,
+                )
+                dq = dq.index_put((rows,), dq.index_select(0, rows) + part_dq.to(accumulate))
+                dk = dk.index_put((keys,), dk.index_select(0, keys) + part_dk.to(accumulate))
+                dv = dv.index_put((keys,), dv.index_select(0, keys) + part_dv.to(accumulate))
+            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return dq, dk, dv, None, None
 
 
@@ -311,12 +314,12 @@ def tree_attention(
     *,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Attention of every packed token over its root path, for a forest of stars.
+    """Attention of every packed token over its root path.
 
     Args:
         query: [T, 1, H, D].
         key, value: [T, 1, G, D] with G dividing H (query head h reads group h // (H // G)).
-        forest: the row's metadata, a forest of stars (``star_passes`` is not None).
+        forest: the row's metadata; T must equal ``forest.num_tokens``.
         softmax_scale: multiplier of q.k before the softmax.
 
     Returns:
@@ -328,9 +331,6 @@ def tree_attention(
             f"tree attention expects [T={forest.num_tokens}, 1, H, D] queries for this forest, "
             f"got {tuple(query.shape)}"
         )
-    passes = star_passes(forest)
-    if passes is None:
-        raise ValueError("flash tree attention needs a forest of stars (no segment below a leaf)")
     q, k, v = (tensor[:, 0].contiguous() for tensor in (query, key, value))
-    out = _StarAttention.apply(q, k, v, passes, softmax_scale)
+    out = _TreeAttention.apply(q, k, v, flash_passes(forest), softmax_scale)
     return out.reshape(num_tokens, 1, num_heads * head_dim)

@@ -184,9 +184,9 @@ def add_shared_prefix_args(
         choices=("auto", "flex", "torch", "flash"),
         default="auto",
         help="Tree attention backend of the attention layers: auto (default: FlexAttention on "
-        "CUDA, torch elsewhere), flex, torch, or flash (torch's flash attention in two passes on "
-        "rows that are forests of stars, e.g. GRPO groups and packed dense rows; auto on other "
-        "rows).",
+        "CUDA, torch elsewhere), flex, torch, or flash (torch's flash attention kernels, one pass "
+        "per segment and one per ancestor depth, merged by log-sum-exp; bf16/fp16 on CUDA, auto "
+        "elsewhere).",
     )
     group.add_argument(
         "--shared-prefix-output-chunk-tokens",

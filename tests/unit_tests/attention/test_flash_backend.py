@@ -1,6 +1,6 @@
-"""Two-pass flash tree attention for forests of stars (attention/flash_backend.py): the pass tables,
-and the decomposition and merged backward against the torch backend (the oracle). On CPU the passes
-run as plain torch math; on CUDA the flash kernels (``gpu`` tests)."""
+"""Flash tree attention (attention/flash_backend.py): the pass tables, and the decomposition and
+merged backward against the dense-mask oracle. On CPU the passes run as plain torch math; on CUDA
+the flash kernels (``gpu`` tests)."""
 
 import numpy as np
 import pytest
@@ -11,9 +11,10 @@ from megatron.shared_prefix.attention.reference import tree_attention_allow_mask
 from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.tensors import ForestTensors
 
-# Two stars (prompts of 3 and 2 tokens) and a sequence of its own: a forest of stars.
+# Two stars (prompts of 3 and 2 tokens) and a sequence of its own.
 STARS = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [7, 8, 9, 10, 11], [7, 8, 12], [13, 14]]
-DEPTH_3 = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 7]]
+# A root, a child with two children of its own, and a leaf under the root.
+DEPTH_3 = [[1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 6], [1, 2, 7], [20, 21]]
 
 
 def _forest(sequences, device="cpu", pad_multiple=1):
@@ -21,47 +22,57 @@ def _forest(sequences, device="cpu", pad_multiple=1):
     return ForestTensors.from_layout(layout, device)
 
 
-def test_star_passes_pair_every_leaf_token_with_its_root():
-    forest = _forest(STARS, pad_multiple=8)
+@pytest.mark.parametrize("sequences", [STARS, DEPTH_3], ids=["stars", "depth-3"])
+def test_each_ancestor_pass_pairs_descendants_with_their_ancestor_at_its_depth(sequences):
+    """Pass d: every segment at depth d with descendants, its descendants' tokens (queries) against
+    its own tokens (keys); with the segment pass, every allowed (query, key) pair once."""
+    forest = _forest(sequences, pad_multiple=8)
     layout = forest.layout
-    passes = flash_backend.star_passes(forest)
-    segment_bounds = passes.segments.host_query_bounds
-    assert segment_bounds.tolist() == [*layout.segment_starts.tolist(), layout.num_tokens]
-    assert passes.segments.causal and passes.segments.query_index is None
-    leaves = passes.leaves
-    assert not leaves.causal and len(leaves.host_query_bounds) == 3  # the two stars
-    query_tokens, key_tokens = leaves.query_index.numpy(), leaves.key_index.numpy()
-    segment = layout.token_segment
-    for i in range(2):
-        rows = query_tokens[leaves.host_query_bounds[i] : leaves.host_query_bounds[i + 1]]
-        keys = key_tokens[leaves.host_key_bounds[i] : leaves.host_key_bounds[i + 1]]
-        (root,) = set(segment[keys])
-        assert layout.segment_parents[root] == -1
-        assert keys.tolist() == list(range(layout.segment_starts[root], keys[-1] + 1))
-        assert len(keys) == layout.segment_lengths[root]
-        assert set(layout.segment_parents[segment[rows]]) == {root}
-    leaf_tokens = np.flatnonzero(layout.segment_parents[segment] >= 0)
-    assert sorted(query_tokens.tolist()) == leaf_tokens.tolist()
-    assert leaves.max_query == np.diff(leaves.host_query_bounds).max()
-    assert leaves.max_key == 3
+    passes = flash_backend.flash_passes(forest)
+    segments = passes.segments
+    assert segments.causal and segments.query_index is None
+    assert segments.host_query_bounds.tolist() == [*layout.segment_starts, layout.num_tokens]
+    segment, parents = layout.token_segment, layout.segment_parents
+    depth = np.zeros(len(parents), dtype=int)
+    for s in range(len(parents)):
+        depth[s] = depth[parents[s]] + 1 if parents[s] >= 0 else 0
+    assert len(passes.ancestors) == depth.max()
+    pairs = np.zeros((layout.num_tokens, layout.num_tokens), dtype=int)
+    for s in range(len(parents)):
+        tokens = np.flatnonzero(segment == s)
+        pairs[np.ix_(tokens, tokens)] += np.tril(np.ones((len(tokens), len(tokens)), dtype=int))
+    for level, ancestor in enumerate(passes.ancestors):
+        assert not ancestor.causal
+        rows, keys = ancestor.query_index.numpy(), ancestor.key_index.numpy()
+        for i in range(len(ancestor.host_query_bounds) - 1):
+            queries = rows[ancestor.host_query_bounds[i] : ancestor.host_query_bounds[i + 1]]
+            owner = keys[ancestor.host_key_bounds[i] : ancestor.host_key_bounds[i + 1]]
+            (root,) = set(segment[owner])
+            assert depth[root] == level and len(owner) == layout.segment_lengths[root]
+            assert np.all(depth[segment[queries]] > level)
+            pairs[np.ix_(queries, owner)] += 1
+        assert ancestor.max_query == np.diff(ancestor.host_query_bounds).max()
+    assert np.array_equal(pairs, tree_attention_allow_mask(layout).astype(int))
 
 
-def test_star_passes_of_other_forests():
-    assert flash_backend.star_passes(_forest(DEPTH_3)) is None
-    roots = flash_backend.star_passes(_forest([[1, 2, 3], [4, 5]]))
-    assert roots.leaves is None and roots.segments.host_query_bounds.tolist() == [0, 3, 5]
-    assert not flash_backend.supports(torch.zeros(5, 1, 2, 8), _forest([[1, 2, 3], [4, 5]]))
+def test_packed_dense_rows_take_the_segment_pass_only():
+    passes = flash_backend.flash_passes(_forest([[1, 2, 3], [4, 5]]))
+    assert passes.ancestors == () and passes.segments.host_query_bounds.tolist() == [0, 3, 5]
+    assert not flash_backend.supports(torch.zeros(5, 1, 2, 8))  # CPU
 
 
 @pytest.mark.parametrize(
     "sequences,pad_multiple",
-    [(STARS, 1), (STARS, 8), ([[1, 2, 3], [4, 5]], 1)],
-    ids=["stars", "stars-padded", "roots"],
+    [(STARS, 1), (STARS, 8), (DEPTH_3, 1), (DEPTH_3, 8), ([[1, 2, 3], [4, 5]], 1)],
+    ids=["stars", "stars-padded", "depth-3", "depth-3-padded", "roots"],
 )
 def test_flash_passes_match_the_dense_mask_oracle(sequences, pad_multiple):
+    _assert_matches_oracle(_forest(sequences, pad_multiple=pad_multiple))
+
+
+def _assert_matches_oracle(forest):
     """Output and q, k, v gradients of the merged passes are those of masked dense attention
     (``reference.tree_attention_allow_mask``; float64, GQA)."""
-    forest = _forest(sequences, pad_multiple=pad_multiple)
     generator = torch.Generator().manual_seed(0)
     inputs = [
         torch.randn(forest.num_tokens, 1, heads, 8, generator=generator, dtype=torch.float64)
@@ -86,27 +97,31 @@ def test_flash_passes_match_the_dense_mask_oracle(sequences, pad_multiple):
         torch.testing.assert_close(flash, oracle, rtol=1e-12, atol=1e-12)
 
 
-def test_flash_tree_attention_refuses_deeper_forests():
-    forest = _forest(DEPTH_3)
-    query = torch.randn(forest.num_tokens, 1, 2, 8)
-    with pytest.raises(ValueError, match="forest of stars"):
-        flash_backend.tree_attention(query, query, query, forest, softmax_scale=1.0)
+def test_deep_random_forests_match_the_dense_mask_oracle(forest_sequences):
+    """Forests of depth 5, so that four ancestor passes merge into some tokens."""
+    forest = ForestTensors.from_layout(
+        plan_shared_prefix(forest_sequences(seed=4, depth=5), capacity=4096).rows[0], "cpu"
+    )
+    assert len(flash_backend.flash_passes(forest).ancestors) >= 4
+    _assert_matches_oracle(forest)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("prompt,completion,group", [(1024, 512, 8), (300, 77, 5)])
-def test_flash_is_as_close_to_float32_as_flex_on_cuda(prompt, completion, group):
+@pytest.mark.parametrize(
+    "prompt,turns", [(1024, [[512] * 8]), (300, [[77] * 5]), (700, [[300] * 3, [200] * 2])]
+)
+def test_flash_is_as_close_to_float32_as_flex_on_cuda(prompt, turns):
     """bf16 on the flash kernels: output and gradients within twice FlexAttention's distance from
-    the float32 oracle on the same inputs (a GRPO star, GQA 8 / 2 heads of 64)."""
+    the float32 oracle on the same inputs (GRPO stars and a depth-3 tree, GQA 8 / 2 heads of 64)."""
     rng = np.random.default_rng(0)
-    shared = rng.integers(1, 100, prompt).tolist()
-    sequences = [shared + rng.integers(1, 100, completion).tolist() for _ in range(group)]
+    sequences = [rng.integers(1, 100, prompt).tolist()]
+    for widths in turns:  # each turn branches every sequence so far
+        sequences = [s + rng.integers(1, 100, n).tolist() for s in sequences for n in widths]
     sequences.append(rng.integers(1, 100, 200).tolist())
     forest = _forest_of(sequences, "cuda")
-    assert flash_backend.supports(
-        torch.empty(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16), forest
-    )
+    assert len(flash_backend.flash_passes(forest).ancestors) == len(turns)
+    assert flash_backend.supports(torch.empty(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16))
     inputs = [torch.randn(forest.num_tokens, 1, h, 64, device="cuda") for h in (8, 2, 2)]
     grad = torch.randn(forest.num_tokens, 1, 8 * 64, device="cuda")
 
@@ -129,13 +144,13 @@ def _forest_of(sequences, device):
     return ForestTensors.from_layout(layout, device)
 
 
-def test_flash_tree_backend_runs_forests_of_stars_and_is_auto_elsewhere(monkeypatch):
+def test_flash_tree_backend_runs_where_flash_can_and_is_auto_elsewhere(monkeypatch):
     from megatron.shared_prefix.attention.dot_product_attention import tree_attention_backend
 
     forest = _forest(STARS)
     query = torch.zeros(forest.num_tokens, 1, 2, 8)
     assert tree_attention_backend("flash", query, forest) is torch_backend  # CPU: no flash
-    monkeypatch.setattr(flash_backend, "supports", lambda query, forest: True)
+    monkeypatch.setattr(flash_backend, "supports", lambda query: True)
     assert tree_attention_backend("flash", query, forest) is flash_backend
     assert tree_attention_backend("auto", query, forest) is torch_backend
     assert tree_attention_backend("flex", query, forest) is flex_backend

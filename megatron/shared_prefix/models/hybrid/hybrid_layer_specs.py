@@ -84,8 +84,7 @@ def hybrid_stack_spec(
             the Mamba scan stay the tree-aware local implementations.
         mamba_chunk_size: chunk size of the Mamba SSD scan.
         attention_backend: tree attention backend, "auto" (FlexAttention on CUDA, torch elsewhere),
-            "flex", "torch" or "flash" (flash attention on forests of stars; see
-            TreeDotProductAttention).
+            "flex", "torch" or "flash" (flash attention passes; see TreeDotProductAttention).
 
     Returns:
         ModuleSpec of :class:`SharedPrefixHybridStack` for ``HybridModel(hybrid_stack_spec=...)``.

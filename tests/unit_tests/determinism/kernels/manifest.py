@@ -141,9 +141,9 @@ ENTRIES = [
         kind="fused PyTorch op",
         training_path=True,
         notes=(
-            "Tree attention of forests of stars (tree_backend='flash'): torch's flash attention "
-            "forward and backward, one varlen pass per segment (causal) and one of the leaves "
-            "against their root, merged by log-sum-exp; the backward runs under "
+            "Tree attention with tree_backend='flash': torch's flash attention forward and "
+            "backward, one varlen pass of the segments (causal) and one per ancestor depth "
+            "(descendants against the ancestor), merged by log-sum-exp; the backward runs under "
             "torch.use_deterministic_algorithms(True), which makes flash's dq accumulation "
             "deterministic. GPU: bf16 with GQA, 3 runs with concurrent stream work. CPU: the "
             "passes as torch math (same decomposition and merge)."
