@@ -188,13 +188,25 @@ def precompile_tree_attention(
     attention layers, rows of up to ``max_tokens`` tokens: every FlexAttention kernel of the run is
     compiled before its first step (mode "dynamic": one dynamic-shape kernel per signature;
     "buckets": a static kernel per bucket length as well). Forward without autograd is compiled
-    too when the model recomputes activations.
+    too when the model recomputes activations. Layers of tree_backend "flash" that flash_backend
+    runs at ``dtype`` on ``device`` compile nothing (flash attention is not compiled).
 
     Returns:
-        The row lengths compiled (empty when the model has no attention layer).
+        The row lengths compiled (empty when no attention layer runs FlexAttention).
     """
+
+    def runs_flex(layer):
+        if layer.tree_backend != "flash":
+            return True
+        probe = torch.empty(1, 1, 1, layer.hidden_size_per_attention_head, dtype=dtype)
+        return not flash_backend.supports(probe.to(device))
+
     signatures = sorted(
-        {m.kernel_signature() for m in model.modules() if isinstance(m, TreeDotProductAttention)}
+        {
+            m.kernel_signature()
+            for m in model.modules()
+            if isinstance(m, TreeDotProductAttention) and runs_flex(m)
+        }
     )
     recompute = getattr(model.config, "recompute_granularity", None) is not None
     compiled = ()

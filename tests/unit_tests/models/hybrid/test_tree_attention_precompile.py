@@ -9,12 +9,12 @@ from tiny import tiny_config
 from megatron.shared_prefix.attention import dot_product_attention, flex_backend
 
 
-def build(**config):
+def build(attention_backend="auto", **config):
     from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
 
     return SharedPrefixHybridModel(
         tiny_config(num_layers=3, **config),
-        hybrid_stack_spec=hybrid_stack_spec(),
+        hybrid_stack_spec=hybrid_stack_spec(attention_backend=attention_backend),
         vocab_size=64,
         max_sequence_length=256,
         hybrid_layer_pattern="*M*",
@@ -142,3 +142,23 @@ def test_precompiled_kernel_serves_the_models_rows(megatron_world, monkeypatch):
         model(None, None, None, shared_prefix_layout=row)
     assert counters["stats"]["unique_graphs"] == graphs
     torch._dynamo.reset()
+
+
+def test_precompile_skips_layers_that_run_flash_attention(megatron_world, monkeypatch):
+    """tree_backend "flash" layers compile no FlexAttention kernel where flash_backend runs their
+    rows (flash attention is not compiled), and are precompiled as usual where it does not."""
+    from megatron.shared_prefix.attention import flash_backend
+
+    calls = []
+    monkeypatch.setattr(flex_backend, "precompile", lambda max_tokens, **kw: calls.append(kw))
+    model = build(attention_backend="flash")
+    monkeypatch.setattr(flash_backend, "supports", lambda query: True)
+    compiled = dot_product_attention.precompile_tree_attention(
+        model, 512, mode="dynamic", dtype=torch.bfloat16, device="cpu"
+    )
+    assert calls == [] and compiled == ()
+    monkeypatch.setattr(flash_backend, "supports", lambda query: False)
+    dot_product_attention.precompile_tree_attention(
+        model, 512, mode="dynamic", dtype=torch.bfloat16, device="cpu"
+    )
+    assert len(calls) == 1 and calls[0]["num_heads"] == 4
