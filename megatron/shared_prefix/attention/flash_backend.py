@@ -154,6 +154,7 @@ def _math_forward(q, k, v, flash_pass: FlashPass, scale: float):
 
 
 def _scores(q, k, repeat, scale, causal, compute):
+    """[H, q, k] scaled scores of one sequence of a pass, -inf above the diagonal when causal."""
     keys = k.to(compute).repeat_interleave(repeat, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.to(compute), keys) * scale
     if causal:
@@ -189,6 +190,7 @@ def _math_backward(grad, q, k, v, out, lse, flash_pass: FlashPass, scale: float)
 
 
 def _pass_forward(q, k, v, flash_pass: FlashPass, scale: float):
+    """One pass: ([Q, H, D] output, [H, Q] float32 log-sum-exp), flash's varlen call on CUDA."""
     if not q.is_cuda:
         return _math_forward(q, k, v, flash_pass, scale)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
@@ -225,6 +227,7 @@ def _deterministic():
 
 
 def _pass_backward(grad, q, k, v, out, lse, flash_pass: FlashPass, scale: float):
+    """One pass's share (dq, dk, dv) of the gradient, given the merged ``out`` and ``lse``."""
     if not q.is_cuda:
         return _math_backward(grad, q, k, v, out, lse, flash_pass, scale)
     no_dropout_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
