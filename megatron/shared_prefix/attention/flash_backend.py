@@ -83,21 +83,9 @@ def flash_passes(forest: ForestTensors) -> FlashPasses:
 
     def build():
         layout = forest.layout
-        starts, lengths, parents = (
-            layout.segment_starts,
-            layout.segment_lengths,
-            layout.segment_parents,
-        )
-        ends = starts + lengths
-        depth = np.zeros(len(parents), dtype=np.int64)
-        subtree_ends = ends.copy()
-        for segment in range(len(parents)):  # parents come first
-            if parents[segment] >= 0:
-                depth[segment] = depth[parents[segment]] + 1
-        for segment in range(len(parents) - 1, -1, -1):  # descendants first
-            parent = parents[segment]
-            if parent >= 0:
-                subtree_ends[parent] = max(subtree_ends[parent], subtree_ends[segment])
+        starts, depth = layout.segment_starts, layout.segment_depth
+        ends = starts + layout.segment_lengths
+        subtree_ends = forest.host_subtree_end()[starts]
         device = forest.device
 
         def flash_pass(query_tokens, query_bounds, key_tokens, key_bounds, causal):

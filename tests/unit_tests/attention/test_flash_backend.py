@@ -32,13 +32,10 @@ def test_each_ancestor_pass_pairs_descendants_with_their_ancestor_at_its_depth(s
     segments = passes.segments
     assert segments.causal and segments.query_index is None
     assert segments.host_query_bounds.tolist() == [*layout.segment_starts, layout.num_tokens]
-    segment, parents = layout.token_segment, layout.segment_parents
-    depth = np.zeros(len(parents), dtype=int)
-    for s in range(len(parents)):
-        depth[s] = depth[parents[s]] + 1 if parents[s] >= 0 else 0
+    segment, depth = layout.token_segment, layout.segment_depth
     assert len(passes.ancestors) == depth.max()
     pairs = np.zeros((layout.num_tokens, layout.num_tokens), dtype=int)
-    for s in range(len(parents)):
+    for s in range(len(depth)):
         tokens = np.flatnonzero(segment == s)
         pairs[np.ix_(tokens, tokens)] += np.tril(np.ones((len(tokens), len(tokens)), dtype=int))
     for level, ancestor in enumerate(passes.ancestors):

@@ -137,6 +137,7 @@ ENTRIES = [
         tests=(
             f"{_KERNEL_TESTS}/test_flash_attention_replay.py::test_flash_tree_attention_replay_cpu",
             f"{_KERNEL_TESTS}/test_flash_attention_replay.py::test_flash_tree_attention_replay_gpu",
+            "tests/unit_tests/attention/test_flash_backend.py",
         ),
         kind="fused PyTorch op",
         training_path=True,
