@@ -246,7 +246,9 @@ class _TreeAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, passes: FlashPasses, scale: float):
         out, lse = _pass_forward(q, k, v, passes.segments, scale)
         if passes.ancestors:
-            merged = out.to(lse.dtype)  # float32 (float64 for float64 inputs), rounded once
+            # float32 (float64 for float64 inputs), rounded once; merged and lse are this
+            # forward's own tensors, updated in place level by level (no copy of the row per level).
+            merged = out.to(lse.dtype)
             for ancestor in passes.ancestors:
                 rows = ancestor.query_index
                 part_out, part_lse = _pass_forward(
@@ -262,8 +264,8 @@ class _TreeAttention(torch.autograd.Function):
                     torch.exp(part - new_lse).t()[..., None] for part in (row_lse, part_lse)
                 )
                 row_out = merged.index_select(0, rows) * kept + part_out.to(lse.dtype) * added
-                merged = merged.index_put((rows,), row_out)
-                lse = lse.t().index_put((rows,), new_lse.t()).t().contiguous()
+                merged[rows] = row_out
+                lse[:, rows] = new_lse
             out = merged.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.passes, ctx.scale = passes, scale
@@ -277,7 +279,7 @@ class _TreeAttention(torch.autograd.Function):
         dq, dk, dv = _pass_backward(grad, q, k, v, out, lse, passes.segments, scale)
         if passes.ancestors:
             accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
-            dq, dk, dv = (t.to(accumulate) for t in (dq, dk, dv))
+            dq, dk, dv = (t.to(accumulate) for t in (dq, dk, dv))  # fresh: added to in place
             for ancestor in passes.ancestors:
                 rows, keys = ancestor.query_index, ancestor.key_index
                 part_dq, part_dk, part_dv = _pass_backward(
@@ -290,9 +292,9 @@ class _TreeAttention(torch.autograd.Function):
                     ancestor,
                     scale,
                 )
-                dq = dq.index_put((rows,), dq.index_select(0, rows) + part_dq.to(accumulate))
-                dk = dk.index_put((keys,), dk.index_select(0, keys) + part_dk.to(accumulate))
-                dv = dv.index_put((keys,), dv.index_select(0, keys) + part_dv.to(accumulate))
+                dq[rows] += part_dq.to(accumulate)
+                dk[keys] += part_dk.to(accumulate)
+                dv[keys] += part_dv.to(accumulate)
             dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return dq, dk, dv, None, None
 

@@ -94,6 +94,25 @@ def _assert_matches_oracle(forest):
         torch.testing.assert_close(flash, oracle, rtol=1e-12, atol=1e-12)
 
 
+def test_merges_in_place_leave_the_inputs_and_saved_tensors_alone():
+    """The merges update the forward's and backward's own tensors in place: q, k, v, the
+    incoming gradient and a second backward through a retained graph are untouched by them."""
+    forest = _forest(DEPTH_3, pad_multiple=8)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [
+        torch.randn(forest.num_tokens, 1, heads, 8, generator=generator, dtype=torch.float64)
+        for heads in (4, 2, 2)
+    ]
+    grad = torch.randn(forest.num_tokens, 1, 32, generator=generator, dtype=torch.float64)
+    originals = [t.clone() for t in (*inputs, grad)]
+    leaves = [t.requires_grad_() for t in inputs]
+    out = flash_backend.tree_attention(*leaves, forest, softmax_scale=0.3)
+    first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    second = torch.autograd.grad(out, leaves, grad)
+    assert all(torch.equal(a, b) for a, b in zip((*inputs, grad), originals))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 def test_deep_random_forests_match_the_dense_mask_oracle(forest_sequences):
     """Forests of depth 5, so that four ancestor passes merge into some tokens."""
     forest = ForestTensors.from_layout(
