@@ -38,7 +38,9 @@ def use_flex_attention(tree_backend: str, is_cuda: bool, num_tokens: int) -> boo
 def tree_attention_backend(tree_backend: str, query, forest):
     """The backend module of a row: "flash" runs flash_backend where it can (on CUDA, in a flash
     dtype) and is "auto" elsewhere; the others as ``use_flex_attention`` says."""
-    if tree_backend == "flash" and flash_backend.supports(query):
+    if tree_backend == "flash" and flash_backend.supports(
+        query.device, query.dtype, query.shape[-1]
+    ):
         return flash_backend
     if use_flex_attention(tree_backend, query.is_cuda, forest.num_tokens):
         return flex_backend
@@ -196,10 +198,8 @@ def precompile_tree_attention(
     """
 
     def runs_flex(layer):
-        if layer.tree_backend != "flash":
-            return True
-        probe = torch.empty(1, 1, 1, layer.hidden_size_per_attention_head, dtype=dtype)
-        return not flash_backend.supports(probe.to(device))
+        head_dim = layer.hidden_size_per_attention_head
+        return layer.tree_backend != "flash" or not flash_backend.supports(device, dtype, head_dim)
 
     signatures = sorted(
         {

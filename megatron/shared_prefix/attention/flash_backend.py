@@ -116,11 +116,15 @@ def flash_passes(forest: ForestTensors) -> FlashPasses:
     return forest.derive(("flash_passes",), build)
 
 
-def supports(query: torch.Tensor) -> bool:
-    """Whether the flash passes run rows of ``query``: on CUDA, in a flash dtype, with a head
-    dimension flash attention takes (a multiple of 8, at most 256)."""
-    head_dim = query.shape[-1]
-    return query.is_cuda and query.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the flash passes run rows of queries on ``device`` in ``dtype``: on CUDA, in a
+    flash dtype, with a head dimension flash attention takes (a multiple of 8, at most 256)."""
+    return (
+        torch.device(device).type == "cuda"
+        and dtype in FLASH_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
 
 
 def _math_forward(q, k, v, flash_pass: FlashPass, scale: float):

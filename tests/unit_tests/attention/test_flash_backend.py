@@ -55,7 +55,10 @@ def test_each_ancestor_pass_pairs_descendants_with_their_ancestor_at_its_depth(s
 def test_packed_dense_rows_take_the_segment_pass_only():
     passes = flash_backend.flash_passes(_forest([[1, 2, 3], [4, 5]]))
     assert passes.ancestors == () and passes.segments.host_query_bounds.tolist() == [0, 3, 5]
-    assert not flash_backend.supports(torch.zeros(5, 1, 2, 8))  # CPU
+    assert not flash_backend.supports("cpu", torch.bfloat16, 64)
+    assert not flash_backend.supports("cuda", torch.float32, 64)
+    assert not flash_backend.supports("cuda", torch.bfloat16, 12)
+    assert flash_backend.supports("cuda", torch.float16, 128)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +140,7 @@ def test_flash_is_as_close_to_float32_as_flex_on_cuda(prompt, turns):
     sequences.append(rng.integers(1, 100, 200).tolist())
     forest = _forest_of(sequences, "cuda")
     assert len(flash_backend.flash_passes(forest).ancestors) == len(turns)
-    assert flash_backend.supports(torch.empty(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16))
+    assert flash_backend.supports("cuda", torch.bfloat16, 64)
     inputs = [torch.randn(forest.num_tokens, 1, h, 64, device="cuda") for h in (8, 2, 2)]
     grad = torch.randn(forest.num_tokens, 1, 8 * 64, device="cuda")
 
@@ -166,7 +169,7 @@ def test_flash_tree_backend_runs_where_flash_can_and_is_auto_elsewhere(monkeypat
     forest = _forest(STARS)
     query = torch.zeros(forest.num_tokens, 1, 2, 8)
     assert tree_attention_backend("flash", query, forest) is torch_backend  # CPU: no flash
-    monkeypatch.setattr(flash_backend, "supports", lambda query: True)
+    monkeypatch.setattr(flash_backend, "supports", lambda device, dtype, head_dim: True)
     assert tree_attention_backend("flash", query, forest) is flash_backend
     assert tree_attention_backend("auto", query, forest) is torch_backend
     assert tree_attention_backend("flex", query, forest) is flex_backend

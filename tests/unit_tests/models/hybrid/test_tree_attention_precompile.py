@@ -152,12 +152,12 @@ def test_precompile_skips_layers_that_run_flash_attention(megatron_world, monkey
     calls = []
     monkeypatch.setattr(flex_backend, "precompile", lambda max_tokens, **kw: calls.append(kw))
     model = build(attention_backend="flash")
-    monkeypatch.setattr(flash_backend, "supports", lambda query: True)
+    monkeypatch.setattr(flash_backend, "supports", lambda device, dtype, head_dim: True)
     compiled = dot_product_attention.precompile_tree_attention(
         model, 512, mode="dynamic", dtype=torch.bfloat16, device="cpu"
     )
     assert calls == [] and compiled == ()
-    monkeypatch.setattr(flash_backend, "supports", lambda query: False)
+    monkeypatch.setattr(flash_backend, "supports", lambda device, dtype, head_dim: False)
     dot_product_attention.precompile_tree_attention(
         model, 512, mode="dynamic", dtype=torch.bfloat16, device="cpu"
     )
