@@ -3,7 +3,14 @@
 For each forest it times, in one process on one GPU:
 
 * dense: ``scaled_dot_product_attention(is_causal=True)`` over the batch of expanded sequences
-  (every leaf sequence, all of the same length, as [G, H, L, D]);
+  (every leaf sequence, all of the same length, as [G, H, L, D]); on an H200 with torch 2.11 it
+  runs cuDNN attention, whose backward is not bitwise reproducible;
+* dense deterministic: the same under ``torch.use_deterministic_algorithms(True)``, where SDPA
+  leaves cuDNN for flash attention with its deterministic backward: dense attention that meets
+  the replay contract every tree backend keeps (docs/determinism.md);
+* packed dense flex: flex_backend on the same sequences packed as one row with nothing shared
+  (every sequence its own root): the tree kernel on the dense problem, so that the tree's gain is
+  seen apart from the kernel's speed against cuDNN;
 * tree: our FlexAttention path (flex_backend): the block mask built from the forest, the row run on
   the static-shape kernel of its length if that is a bucket, else on the one dynamic-shape kernel
   (the "kernel" column);
@@ -18,7 +25,8 @@ For each forest it times, in one process on one GPU:
   second row length). Dynamo's caches are reset before each forest, so each forest compiles afresh
   and no cache fills up;
 * ideal: the attention-pair ratio (query-key pairs of the dense batch / of the tree) and the token
-  ratio (dense tokens / tree tokens), the speedups an exact implementation could reach.
+  ratio (dense tokens / tree tokens), the speedups an exact implementation could reach; tree / ideal
+  is taken against each dense baseline in turn.
 
 Times are GPU milliseconds of one forward+backward with runs queued back to back, as in training
 (``benchmark_report.cuda_time_ms``): the median of ``--repeats`` runs in each of ``--rounds`` rounds
@@ -33,6 +41,7 @@ import argparse
 import statistics
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from benchmark_report import (  # tools/ is on sys.path as a script
@@ -66,6 +75,29 @@ def forward_backward(attend, *inputs):
     return run
 
 
+def deterministic(run):
+    """``run()`` (forward and backward) under ``torch.use_deterministic_algorithms(True)``, the
+    caller's setting restored after."""
+
+    def deterministic_run():
+        enabled = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            run()
+        finally:
+            torch.use_deterministic_algorithms(enabled)
+
+    return deterministic_run
+
+
+def packed_dense_forest(sequences):
+    """The forest of ``sequences`` with nothing shared: each gets a first token of its own (ids
+    above every drawn token), so each is a root of the one packed row."""
+    distinct = [np.concatenate([[40000 + i], s[1:]]) for i, s in enumerate(sequences)]
+    plan = plan_shared_prefix(distinct, capacity=sum(len(s) for s in distinct), pad_multiple=128)
+    return ForestTensors.from_layout(plan.rows[0], "cuda")
+
+
 def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
     """One table row: times (ms) and ratios for the forest of ``sequences``."""
     lengths = {len(s) for s in sequences}
@@ -84,6 +116,8 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
 
     dense_qkv = [make(len(sequences), heads, length, head_dim) for _ in range(3)]
     tree_qkv = [make(layout.num_tokens, 1, heads, head_dim) for _ in range(3)]
+    packed = packed_dense_forest(sequences)
+    packed_qkv = [make(packed.num_tokens, 1, heads, head_dim) for _ in range(3)]
     torch._dynamo.reset()  # pylint: disable=protected-access
     stock_mask = create_block_mask(
         flex_backend.tree_mask_mod(forest.token_subtree_end),
@@ -103,9 +137,15 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
 
         return attend
 
+    def dense_sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     runs = {
-        "dense SDPA": forward_backward(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *dense_qkv
+        "dense SDPA": forward_backward(dense_sdpa, *dense_qkv),
+        "dense SDPA deterministic": deterministic(forward_backward(dense_sdpa, *dense_qkv)),
+        "packed dense flex": forward_backward(
+            lambda q, k, v: flex_backend.tree_attention(q, k, v, packed, softmax_scale=scale),
+            *packed_qkv,
         ),
         "tree": forward_backward(
             lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
@@ -144,6 +184,10 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
         "tree / ideal": (dense / tree) / ideal,
         "tree flash ms": times["tree flash"],
         "tree flash / ideal": (dense / times["tree flash"]) / ideal,
+        "dense SDPA deterministic ms": times["dense SDPA deterministic"],
+        "tree / ideal vs deterministic": (times["dense SDPA deterministic"] / tree) / ideal,
+        "packed dense flex ms": times["packed dense flex"],
+        "tree / ideal vs packed flex": (times["packed dense flex"] / tree) / ideal,
     }
 
 
@@ -161,7 +205,11 @@ def markdown(rows, command):
         "FlexAttention compiled for this exact length (one compile per distinct row length); flex "
         "dynamic: stock with a dynamic length, what torch.compile uses once a loop has seen a "
         "second row length; tree / ideal = (dense / tree) / ideal pair ratio; tree flash: "
-        "flash_backend (flash attention passes: the segments, then one per ancestor depth).",
+        "flash_backend (flash attention passes: the segments, then one per ancestor depth); dense "
+        "SDPA deterministic: SDPA under torch.use_deterministic_algorithms(True) (flash "
+        "attention's deterministic backward instead of cuDNN); packed dense flex: flex_backend on "
+        "the sequences packed with nothing shared; tree / ideal vs X = (X / tree) / ideal pair "
+        "ratio.",
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"
