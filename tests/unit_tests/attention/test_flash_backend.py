@@ -145,7 +145,7 @@ def test_flash_is_as_close_to_float32_as_flex_on_cuda(prompt, turns):
     grad = torch.randn(forest.num_tokens, 1, 8 * 64, device="cuda")
 
     def run(backend, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        leaves = [t.to(dtype, copy=True).requires_grad_() for t in inputs]
         out = backend.tree_attention(*leaves, forest, softmax_scale=0.125)
         out.backward(grad.to(dtype))
         return [out.detach().float()] + [t.grad.float() for t in leaves]
