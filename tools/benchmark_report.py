@@ -3,12 +3,22 @@ docs/benchmarks.md.
 
 Each benchmark writes one ``## <title>`` section (its command, device and table) and replaces only
 that section when it runs again, so benchmarks never overwrite each other's results.
+
+Importing it puts mamba_ssm in its deterministic mode (``MAMBA_DETERMINISTIC=1``) unless the
+environment says otherwise, before any benchmark imports mamba_ssm (which reads the variable when
+its kernel modules load) and for the processes a benchmark starts: every kernel runs its cheapest
+configuration, as in the GPU tests, instead of being autotuned afresh in each process (on an H200
+the Mamba warm-up of a fresh ``bench_model.py --first-step`` process took 129 s with autotuning
+and 33 s without, docs/training.md).
 """
 
+import os
 import statistics
 
 import numpy as np
 import torch
+
+os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
 
 
 def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> float:

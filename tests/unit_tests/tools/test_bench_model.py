@@ -322,3 +322,30 @@ def test_first_step_table_splits_the_precompile(tool, monkeypatch):
     assert "| attention_precompiled_s | precompiled_s |" in header
     assert "| cold, precompile off | 1.00 | 2.00 |  | 2.00 |" in section
     assert "| cold, precompile dynamic | 1.00 | 2.00 | 5.00 | 9.00 |" in section
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_benchmarks_run_mamba_ssm_deterministic_unless_told_otherwise(setting):
+    """benchmark_report sets MAMBA_DETERMINISTIC=1 for the benchmark and the processes it starts,
+    and leaves an explicit setting alone."""
+    import os
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key != "MAMBA_DETERMINISTIC"}
+    if setting is not None:
+        env["MAMBA_DETERMINISTIC"] = setting
+    child = (
+        "import benchmark_report, os, subprocess, sys; "
+        "print(subprocess.run([sys.executable, '-c', "
+        "'import os; print(os.environ[\"MAMBA_DETERMINISTIC\"])'], capture_output=True, "
+        "text=True, check=True).stdout.strip())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", child],
+        cwd=TOOLS,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.strip() == ("1" if setting is None else setting)
