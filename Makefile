@@ -1,14 +1,25 @@
 # Quick start: `make test` runs the test suite, `make train` trains the built-in tiny model,
 # `make test-gpu` runs the gpu-marked tests on a CUDA machine, `make export-check` exports the
 # upstream PR stack and tests the exported tree (docs/upstreaming.md).
-# All of them create .venv (Python >= 3.12, preferring 3.12, from PATH or pyenv) and install the project on first use.
+# All of them create .venv (Python >= 3.12, preferring 3.12, from PATH or pyenv) and install the project on first use;
+# `make <target> PYTHON=python3` uses that interpreter as it is instead (a machine whose Python already has
+# torch, megatron-core, mamba_ssm and the test packages, and no package index: CONTRIBUTING.md).
 
 VENV := .venv
+ifdef PYTHON
+PY := $(PYTHON)
+STAMP :=
+else
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+endif
+# Processes that share the GPU in `make test-gpu` (pytest-xdist); most of a GPU test's time is
+# kernel compilation on the host, which they run side by side.
+GPU_WORKERS ?= 4
 
 .PHONY: test test-gpu train export-check
 
+ifndef PYTHON
 $(PY):
 	@python=""; \
 	for c in python3.12 python3 python3.13; do \
@@ -27,13 +38,16 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+endif
 
 test: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) -m pytest -q
 
-# The gpu-marked tests on a CUDA machine (torch.compile on, mamba_ssm autotuning off).
+# The gpu-marked tests on a CUDA machine (torch.compile on, mamba_ssm autotuning off), each test
+# file in one of GPU_WORKERS processes (module fixtures compile once).
 test-gpu: $(STAMP)
-	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu --durations=20
+	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu -n $(GPU_WORKERS) \
+	  --dist loadfile --durations=20
 
 train: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) pretrain_hybrid.py --shared-prefix-packing
