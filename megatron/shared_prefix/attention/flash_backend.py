@@ -22,6 +22,10 @@ the separate calls would differentiate each pass's own normalization instead. Th
 float32. torch's flash backward is deterministic only under ``torch.use_deterministic_algorithms``,
 which the backward turns on for its calls. Off CUDA the passes run as plain torch math (the same
 decomposition, for tests).
+
+On an H200 (torch 2.11, FlashAttention 2) this took 2.4-3.3x flex_backend's time on every row of
+tools/bench_attention.py, most of it in the deterministic backward (docs/benchmarks.md), so
+``tree_backend="auto"`` never picks it.
 """
 
 import contextlib

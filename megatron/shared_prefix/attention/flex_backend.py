@@ -38,13 +38,17 @@ cuDNN calls merged by log-sum-exp; but its backward is not reproducible bitwise 
 H200 with torch 2.11: dq differed between four identical runs, for [1, 32, 16384, 128] queries over
 4096 keys and for a causal [16, 32, 5120, 128] batch), which the determinism gate does not allow.
 
-Not used either: the same split on PyTorch's flash attention (``_flash_attention_forward`` /
-``_backward``, varlen), whose backward is reproducible under deterministic algorithms. A star is two
-calls, completions over the prompt (non-causal) and every segment causally over itself, merged by
-log-sum-exp, each backward given the merged output and log-sum-exp. Measured on the H200
-(2026-12-01, torch 2.11, bf16, 32 heads x 128, 8 key/value groups, forward+backward): star P=2048,
-C=2048, G=8 (18432 tokens) 12.0 ms, 16.5 ms with deterministic algorithms on, against 9.0 ms here;
-star P=4096, C=1024, G=16 18.0 / 26.3 ms (12.4 ms here, docs/benchmarks.md). PyTorch's flash is
+Not chosen by ``tree_backend="auto"`` either: the same split on PyTorch's flash attention
+(``_flash_attention_forward`` / ``_backward``, varlen), whose backward is reproducible under
+deterministic algorithms; flash_backend.py runs it for every forest when asked
+(``tree_backend="flash"``), and took 2.4-3.3x this module's time on every row of
+tools/bench_attention.py on an H200 (2026-12-02, docs/benchmarks.md). A star is two calls,
+completions over the prompt (non-causal) and every segment causally over itself, merged by
+log-sum-exp, each backward given the merged output and log-sum-exp. An earlier prototype of it for
+stars alone, measured on the H200 (2026-12-01, torch 2.11, bf16, 32 heads x 128, 8 key/value
+groups, forward+backward): star P=2048, C=2048, G=8 (18432 tokens) 12.0 ms, 16.5 ms with
+deterministic algorithms on, against 9.0 ms here; star P=4096, C=1024, G=16 18.0 / 26.3 ms
+(12.4 ms here, docs/benchmarks.md). PyTorch's flash is
 FlashAttention 2, which on an H200 ran the dense causal batch of the first star 1.8x slower than
 cuDNN (14.2 against 7.9 ms). Its varlen calls take empty segments (output 0, log-sum-exp +inf), but
 leave the key gradients past the last key segment unwritten. FlexAttention's own block sizes
