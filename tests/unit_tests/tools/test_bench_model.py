@@ -1,6 +1,7 @@
 """tools/bench_model.py: its packed dense baseline computes the tree's losses, and its ideal."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -16,13 +17,21 @@ TOOLS = Path(__file__).resolve().parents[3] / "tools"
 
 @pytest.fixture(scope="module")
 def tool():
-    sys.path.insert(0, str(TOOLS))  # the tool imports benchmark_report as a script does
+    # The tool imports benchmark_report as a script does, which sets MAMBA_DETERMINISTIC for the
+    # benchmark's processes; the test process keeps its own environment (later tests start
+    # subprocesses that must not inherit it).
+    mamba_deterministic = os.environ.get("MAMBA_DETERMINISTIC")
+    sys.path.insert(0, str(TOOLS))
     try:
         spec = importlib.util.spec_from_file_location("bench_model", TOOLS / "bench_model.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(TOOLS))
+        if mamba_deterministic is None:
+            os.environ.pop("MAMBA_DETERMINISTIC", None)
+        else:
+            os.environ["MAMBA_DETERMINISTIC"] = mamba_deterministic
     return module
 
 
@@ -328,7 +337,6 @@ def test_first_step_table_splits_the_precompile(tool, monkeypatch):
 def test_benchmarks_run_mamba_ssm_deterministic_unless_told_otherwise(setting):
     """benchmark_report sets MAMBA_DETERMINISTIC=1 for the benchmark and the processes it starts,
     and leaves an explicit setting alone."""
-    import os
     import subprocess
 
     env = {key: value for key, value in os.environ.items() if key != "MAMBA_DETERMINISTIC"}
