@@ -41,10 +41,19 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from benchmark_report import agent_tree, cuda_time_ms, markdown_table, star, write_section
+from benchmark_report import (
+    agent_tree,
+    cuda_time_ms,
+    kernel_time_differences,
+    markdown_table,
+    star,
+    use_deterministic_mamba_ssm,
+    write_section,
+)
 
 from megatron.shared_prefix.cpu import install_mamba_ssm_fallback
 
+use_deterministic_mamba_ssm()
 install_mamba_ssm_fallback()
 
 # pylint: disable=wrong-import-position
@@ -420,9 +429,10 @@ def check(args):
     assert all(error < tolerance for error in errors.values()), errors
 
 
-def profile(mixer):
+def profile(mixer, rows=30):
     """torch.profiler tables (kernels by self CUDA time) of one forward+backward: tree vs same-token
-    varlen, for the P=4096 star and the depth-3 tree."""
+    varlen, for the P=4096 star and the depth-3 tree; then, per event name, the tree's self CUDA
+    time minus the varlen layer's (the fork's cost, located), every name whose times differ."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -432,6 +442,7 @@ def profile(mixer):
     }
     for name, sequences in forests.items():
         runs, _, _ = variants(mixer, sequences, torch.bfloat16, "cuda")
+        averages = {}
         for key in ("tree", "varlen, tree tokens"):
             run = runs[key][0]
             for _ in range(3):
@@ -440,8 +451,17 @@ def profile(mixer):
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 run()
                 torch.cuda.synchronize()
+            averages[key] = prof.key_averages()
             print(f"===== {name}: {key}")
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+            print(averages[key].table(sort_by="self_cuda_time_total", row_limit=rows))
+        print(f"===== {name}: tree - varlen, tree tokens (self CUDA us; calls)")
+        differences = kernel_time_differences(averages["tree"], averages["varlen, tree tokens"])
+        for event, tree_us, varlen_us, extra_us, tree_calls, varlen_calls in differences:
+            if extra_us:
+                print(
+                    f"{extra_us:+10.1f} {tree_us:10.1f} {varlen_us:10.1f} "
+                    f"{tree_calls:4d} {varlen_calls:4d}  {event}"
+                )
 
 
 def main():

@@ -69,7 +69,13 @@ _PROCESS_START = time.perf_counter()
 # pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from benchmark_report import agent_tree, markdown_table, star, write_section  # noqa: E402
+from benchmark_report import (  # noqa: E402
+    agent_tree,
+    markdown_table,
+    star,
+    use_deterministic_mamba_ssm,
+    write_section,
+)
 
 from megatron.shared_prefix.layout import ForestLayout  # noqa: E402
 from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
@@ -817,6 +823,7 @@ def markdown(tables, first, command, args):
 
 def main():
     """Benchmark every pattern and batch, then the first steps; print and write the section."""
+    use_deterministic_mamba_ssm()  # before anything imports mamba_ssm, here and in the children
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -3,13 +3,6 @@ docs/benchmarks.md.
 
 Each benchmark writes one ``## <title>`` section (its command, device and table) and replaces only
 that section when it runs again, so benchmarks never overwrite each other's results.
-
-Importing it puts mamba_ssm in its deterministic mode (``MAMBA_DETERMINISTIC=1``) unless the
-environment says otherwise, before any benchmark imports mamba_ssm (which reads the variable when
-its kernel modules load) and for the processes a benchmark starts: every kernel runs its cheapest
-configuration, as in the GPU tests, instead of being autotuned afresh in each process (on an H200
-the Mamba warm-up of a fresh ``bench_model.py --first-step`` process took 129 s with autotuning
-and 33 s without, docs/training.md).
 """
 
 import os
@@ -18,7 +11,16 @@ import statistics
 import numpy as np
 import torch
 
-os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
+
+def use_deterministic_mamba_ssm():
+    """Put mamba_ssm in its deterministic mode (``MAMBA_DETERMINISTIC=1``) unless the environment
+    says otherwise, for this process and those it starts: every kernel runs its cheapest
+    configuration, as in the GPU tests, instead of being autotuned afresh in each process (on an
+    H200 the Mamba warm-up of a fresh ``bench_model.py --first-step`` process took 129 s with
+    autotuning and 33 s without, docs/training.md). Call it before mamba_ssm is imported: it reads
+    the variable when its kernel modules load.
+    """
+    os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
 
 
 def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> float:
@@ -40,6 +42,22 @@ def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> float:
         events.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def kernel_time_differences(averages, reference, *, attribute="self_device_time_total"):
+    """Rows (name, microseconds in ``averages``, in ``reference``, difference, calls in each) of
+    every event name of two ``torch.profiler`` ``key_averages()`` tables, largest difference
+    first: where one run spends the time the other does not (``attribute`` is the per-name total
+    compared; self CUDA time by default).
+    """
+    times = [{event.key: event for event in table} for table in (averages, reference)]
+    rows = []
+    for name in set(times[0]) | set(times[1]):
+        events = [table.get(name) for table in times]
+        spent = [0.0 if event is None else float(getattr(event, attribute)) for event in events]
+        calls = [0 if event is None else event.count for event in events]
+        rows.append((name, spent[0], spent[1], spent[0] - spent[1], calls[0], calls[1]))
+    return sorted(rows, key=lambda row: (-row[3], row[0]))
 
 
 def markdown_table(rows) -> list:

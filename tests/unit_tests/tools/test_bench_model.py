@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,21 +18,13 @@ TOOLS = Path(__file__).resolve().parents[3] / "tools"
 
 @pytest.fixture(scope="module")
 def tool():
-    # The tool imports benchmark_report as a script does, which sets MAMBA_DETERMINISTIC for the
-    # benchmark's processes; the test process keeps its own environment (later tests start
-    # subprocesses that must not inherit it).
-    mamba_deterministic = os.environ.get("MAMBA_DETERMINISTIC")
-    sys.path.insert(0, str(TOOLS))
+    sys.path.insert(0, str(TOOLS))  # the tool imports benchmark_report as a script does
     try:
         spec = importlib.util.spec_from_file_location("bench_model", TOOLS / "bench_model.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(TOOLS))
-        if mamba_deterministic is None:
-            os.environ.pop("MAMBA_DETERMINISTIC", None)
-        else:
-            os.environ["MAMBA_DETERMINISTIC"] = mamba_deterministic
     return module
 
 
@@ -335,15 +328,17 @@ def test_first_step_table_splits_the_precompile(tool, monkeypatch):
 
 @pytest.mark.parametrize("setting", [None, "0"])
 def test_benchmarks_run_mamba_ssm_deterministic_unless_told_otherwise(setting):
-    """benchmark_report sets MAMBA_DETERMINISTIC=1 for the benchmark and the processes it starts,
-    and leaves an explicit setting alone."""
-    import subprocess
-
+    """use_deterministic_mamba_ssm sets MAMBA_DETERMINISTIC=1 for the benchmark and the processes
+    it starts, and leaves an explicit setting alone; importing the tool sets nothing (mamba_ssm is
+    not imported before its main() calls it)."""
     env = {key: value for key, value in os.environ.items() if key != "MAMBA_DETERMINISTIC"}
     if setting is not None:
         env["MAMBA_DETERMINISTIC"] = setting
     child = (
-        "import benchmark_report, os, subprocess, sys; "
+        "import os, subprocess, sys; import bench_model; "
+        "assert 'mamba_ssm' not in sys.modules; "
+        "print(os.environ.get('MAMBA_DETERMINISTIC')); "
+        "bench_model.use_deterministic_mamba_ssm(); "
         "print(subprocess.run([sys.executable, '-c', "
         "'import os; print(os.environ[\"MAMBA_DETERMINISTIC\"])'], capture_output=True, "
         "text=True, check=True).stdout.strip())"
@@ -356,4 +351,27 @@ def test_benchmarks_run_mamba_ssm_deterministic_unless_told_otherwise(setting):
         text=True,
         check=True,
     )
-    assert result.stdout.strip() == ("1" if setting is None else setting)
+    assert result.stdout.split() == [str(setting), "1" if setting is None else setting]
+
+
+def test_kernel_time_differences_locate_what_one_run_adds(tool):
+    """The profile difference that bench_mamba --profile prints: on CPU, a run with an extra add
+    shows the add first, with its call counts, and names the two runs share with their times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    differences = sys.modules["benchmark_report"].kernel_time_differences
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    averages = []
+    for extra in (True, False):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            product = a @ b
+            if extra:
+                product = torch.add(product, product)
+        averages.append(prof.key_averages())
+    rows = differences(*averages, attribute="self_cpu_time_total")
+    by_name = {row[0]: row for row in rows}
+    name, with_add, without, extra, calls, reference_calls = by_name["aten::add"]
+    assert with_add > 0 and without == 0 and extra == with_add
+    assert (calls, reference_calls) == (1, 0)
+    assert by_name["aten::mm"][4:] == (1, 1)
+    assert [row[3] for row in rows] == sorted((row[3] for row in rows), reverse=True)
