@@ -44,10 +44,13 @@ test: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) -m pytest -q
 
 # The gpu-marked tests on a CUDA machine (torch.compile on, mamba_ssm autotuning off), each test
-# file in one of GPU_WORKERS processes (module fixtures compile once).
+# file in one of GPU_WORKERS processes (module fixtures compile once); in one process where
+# pytest-xdist is missing.
 test-gpu: $(STAMP)
-	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu -n $(GPU_WORKERS) \
-	  --dist loadfile --durations=20
+	@if $(PY) -c 'import xdist' 2>/dev/null; then workers="-n $(GPU_WORKERS) --dist loadfile"; \
+	else echo "make: pytest-xdist not found: the GPU tests run in one process"; workers=""; fi; \
+	echo "MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu $$workers --durations=20"; \
+	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu $$workers --durations=20
 
 train: $(STAMP)
 	TORCH_COMPILE_DISABLE=1 $(PY) pretrain_hybrid.py --shared-prefix-packing
