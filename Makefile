@@ -49,7 +49,6 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	@if $(PY) -c 'import xdist' 2>/dev/null; then workers="-n $(GPU_WORKERS) --dist loadfile"; \
 	else echo "make: pytest-xdist not found: the GPU tests run in one process"; workers=""; fi; \
-	echo "MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu $$workers --durations=20"; \
 	MAMBA_DETERMINISTIC=1 TORCH_COMPILE_DISABLE=0 $(PY) -m pytest -q -m gpu $$workers --durations=20
 
 train: $(STAMP)

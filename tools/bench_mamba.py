@@ -429,7 +429,7 @@ def check(args):
     assert all(error < tolerance for error in errors.values()), errors
 
 
-def profile(mixer, rows=30):
+def profile(mixer):
     """torch.profiler tables (kernels by self CUDA time) of one forward+backward: tree vs same-token
     varlen, for the P=4096 star and the depth-3 tree; then, per event name, the tree's self CUDA
     time minus the varlen layer's (the fork's cost, located), every name whose times differ."""
@@ -453,7 +453,7 @@ def profile(mixer, rows=30):
                 torch.cuda.synchronize()
             averages[key] = prof.key_averages()
             print(f"===== {name}: {key}")
-            print(averages[key].table(sort_by="self_cuda_time_total", row_limit=rows))
+            print(averages[key].table(sort_by="self_cuda_time_total", row_limit=30))
         print(f"===== {name}: tree - varlen, tree tokens (self CUDA us; calls)")
         differences = kernel_time_differences(averages["tree"], averages["varlen, tree tokens"])
         for event, tree_us, varlen_us, extra_us, tree_calls, varlen_calls in differences:
