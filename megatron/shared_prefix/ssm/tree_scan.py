@@ -52,11 +52,14 @@ layer. tools/bench_mamba.py times both.
 
 Backends: the packed scan is ``torch_ssd.mamba_chunk_scan_combined`` (pure torch, any device: the
 CPU path and the oracle) or mamba_ssm's Triton ``mamba_chunk_scan_combined`` (CUDA); both are
-called identically. Without a gate, the Triton scan runs through mamba_ssm's own forward and
-backward functions in ``_UngatedChunkScan``, which keeps nothing of the output's size for backward
-(the norm keeps the corrected output; see there). The correction is Triton with the Triton scan
-and plain torch with torch_ssd (the Triton kernels round the float32 state, or weighted input, to
-the input dtype before the product, as mamba_ssm does for the states it passes between chunks).
+called identically. On CUDA, mamba_ssm's own forward and backward functions and the Triton
+correction run in one autograd function, ``_ForkedChunkScan``: the correction is written into the
+scan's output and its gradients are added into the scan's (no activation-sized fills, copies or
+sums for the fork), and without a gate nothing of the output's size is kept for backward (the norm
+keeps the corrected output). With torch_ssd, or a mamba_ssm without those functions, the stock
+scan runs and the correction is plain torch (the Triton kernels round the float32 state, or
+weighted input, to the input dtype before the product, as mamba_ssm does for the states it passes
+between chunks).
 Gathers with repeated indices are kept out of the backward (see ``_per_token``); like mamba_ssm's
 own backward kernels, the float accumulations left (cumulative sums, matrix products) are bitwise
 reproducible under ``torch.use_deterministic_algorithms(True)``.
@@ -99,10 +102,11 @@ _SCAN_FORWARD_ARGS = ("x", "dt", "A", "B", "C", "chunk_size")
 _SCAN_BACKWARD_ARGS = ("dout", "x", "dt", "A", "B", "C", "out", "chunk_size")
 
 
-def _ungated_scan_functions(scan):
+def scan_functions(scan, scan_kwargs: Optional[dict] = None):
     """mamba_ssm's (forward, backward) functions behind ``scan`` when ``scan`` is its Triton
     ``mamba_chunk_scan_combined`` and the module has them with the leading arguments that
-    ``_UngatedChunkScan`` passes (mamba_ssm 2.3), else None (the stock scan is used)."""
+    ``_ForkedChunkScan`` passes (mamba_ssm 2.3) and the keywords D, z, seq_idx and those of
+    ``scan_kwargs``; else None (the stock scan runs, with the torch correction)."""
     module = sys.modules.get(getattr(scan, "__module__", None) or "")
     if module is None or scan is not getattr(module, "mamba_chunk_scan_combined", None):
         return None
@@ -110,52 +114,110 @@ def _ungated_scan_functions(scan):
         getattr(module, "_mamba_chunk_scan_combined_fwd", None),
         getattr(module, "_mamba_chunk_scan_combined_bwd", None),
     )
-    if _takes(functions[0], _SCAN_FORWARD_ARGS) and _takes(functions[1], _SCAN_BACKWARD_ARGS):
+    keywords = ("D", "z", "seq_idx", *sorted(scan_kwargs or {}))
+    if _takes(functions[0], _SCAN_FORWARD_ARGS, keywords) and _takes(
+        functions[1], _SCAN_BACKWARD_ARGS, keywords
+    ):
         return functions
     return None
 
 
 @functools.lru_cache(maxsize=None)
-def _takes(function, leading: tuple) -> bool:
-    """Whether ``function`` (None: no) starts with the parameters ``leading`` and has D and
-    seq_idx (read once per function: this runs in every forward)."""
+def _takes(function, leading: tuple, keywords: tuple) -> bool:
+    """Whether ``function`` (None: no) starts with the parameters ``leading`` and has the
+    parameters ``keywords`` (read once per function: this runs in every forward)."""
     if function is None:
         return False
     parameters = inspect.signature(function).parameters
-    return tuple(parameters)[: len(leading)] == leading and {"D", "seq_idx"} <= set(parameters)
+    return tuple(parameters)[: len(leading)] == leading and set(keywords) <= set(parameters)
 
 
-class _UngatedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-method
-    """mamba_ssm's Triton chunk scan without a gate (z None), keeping for backward only what its
-    backward reads: x, dt, A, B, C, D and seq_idx.
+class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-method
+    """mamba_ssm's Triton chunk scan of a forest row, with the forked states (1)-(2) added by the
+    Triton kernels of ssm/triton_inherited_state.py, as one autograd function.
 
-    mamba_ssm's ``MambaChunkScanCombinedFn`` also keeps its output y [1, T, h, p] (its backward
-    reads it only to gate z) and the chunked cumulative decay (which its backward recomputes). On a
-    forest, y is corrected out of place at the child tokens (the forked states) and the gate's norm
-    keeps the corrected copy, so the stock function would hold a second activation of y's size per
-    layer that a packed dense row (whose y is the norm's input itself) does not hold. This runs the
-    same forward and backward functions, so outputs and gradients are bitwise the stock function's.
+    Forward: mamba_ssm's forward function with ``seq_idx = token_segment`` gives y0 (gated by
+    silu(z) when z is given); then ``ForkedStates.forward`` adds the inherited part to y0 in place
+    at every child token. Backward: mamba_ssm's backward function with the corrected output's
+    gradient (y0's, since the correction adds to it), then ``ForkedStates.backward`` adds the
+    fork's gradients into the scan's gradients of x, dt, A, B, C and z, in place, at the tokens it
+    touches.
 
-    Inputs: as ``mamba_chunk_scan_combined`` (dt processed: no bias, no softplus), then chunk_size
-    and mamba_ssm's (forward, backward) of :func:`_ungated_scan_functions`.
+    Why one function: as separate autograd functions, every input that both reach (x, dt, B, C,
+    z) would get from the fork a zero-filled tensor of its size, written at some tokens, that
+    autograd then adds to the scan's; and the correction could not write into the scan's output
+    (the stock function keeps it for backward), so it would be a corrected copy. Those fills,
+    copies and sums cost about as much as the fork's arithmetic (docs/benchmarks.md).
+
+    Kept for backward: what mamba_ssm's own ``MambaChunkScanCombinedFn`` keeps, except the
+    output when there is no gate (its backward reads it only for the gate; with z the ungated
+    output is kept, as there), plus the fork's [T, h] float32 log-decays and input weights and its
+    [internal segments, h, p, n] float32 end states. A row without internal segments runs the scan
+    alone, its outputs and gradients bitwise mamba_ssm's stock function's.
+
+    Inputs: x [1, T, h, p], dt [1, T, h] float32 (processed: no bias, no softplus), A [h]
+    float32, B and C [1, T, g, n], D, z [1, T, h, p] or None, the forest, chunk_size, and
+    mamba_ssm's (forward, backward) of :func:`scan_functions`, then keyword arguments of both.
     """
 
     @staticmethod
     # pylint: disable-next=arguments-differ
-    def forward(ctx, x, dt, A, B, C, D, seq_idx, chunk_size, functions):
-        forward, ctx.scan_backward = functions
-        ctx.chunk_size = chunk_size
-        ctx.save_for_backward(x, dt, A, B, C, D, seq_idx)
-        return forward(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)[0]
+    def forward(ctx, x, dt, A, B, C, D, z, forest, chunk_size, functions, scan_kwargs):
+        scan_forward, ctx.scan_backward = functions
+        ctx.chunk_size, ctx.scan_kwargs = chunk_size, scan_kwargs
+        plan = TreeScanPlan.of(forest)
+        y, y_ungated = scan_forward(
+            x, dt, A, B, C, chunk_size, D=D, z=z, seq_idx=plan.seq_idx, **scan_kwargs
+        )[:2]
+        ctx.fork, fork_saved = None, ()
+        if plan.internal:
+            # pylint: disable-next=import-outside-toplevel
+            from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
+
+            ctx.fork = ForkedStates.of(forest, plan)
+            fork_saved = ctx.fork.forward(
+                y[0], x[0], None if z is None else z[0], dt[0], A, B[0], C[0]
+            )
+        ctx.save_for_backward(x, dt, A, B, C, D, z, plan.seq_idx, y_ungated, *fork_saved)
+        return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):  # pylint: disable=arguments-differ
-        x, dt, A, B, C, D, seq_idx = ctx.saved_tensors
-        # Its output argument: without z the backward reads only its shape, which is x's.
-        grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, *_ = ctx.scan_backward(
-            grad_y, x, dt, A, B, C, x, ctx.chunk_size, D=D, seq_idx=seq_idx
+        x, dt, A, B, C, D, z, seq_idx, y_ungated, *fork_saved = ctx.saved_tensors
+        # The output argument: with z, the ungated output; without, only its shape (x's) is read.
+        grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, *_ = ctx.scan_backward(
+            grad_y,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            x if z is None else y_ungated,
+            ctx.chunk_size,
+            D=D,
+            z=z,
+            seq_idx=seq_idx,
+            **ctx.scan_kwargs,
         )
-        return grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, None, None, None
+        if ctx.fork is not None:
+            fork_grad_A = ctx.fork.backward(
+                grad_y[0],
+                fork_saved,
+                x[0],
+                None if z is None else z[0],
+                dt[0],
+                A,
+                B[0],
+                C[0],
+                grad_x=grad_x[0],
+                grad_dt=grad_dt[0],
+                grad_B=grad_B[0],
+                grad_C=grad_C[0],
+                grad_z=None if z is None else grad_z[0],
+            )
+            grad_A = grad_A + fork_grad_A.to(grad_A.dtype)
+        return grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, None, None, None, None
 
 
 def packed_chunk_scan(backend: str, device: torch.device):
@@ -348,39 +410,30 @@ def tree_ssd_scan(
     )
 
     # y0: zero initial state at every segment start (seq_idx changes there), D skip and gate fused.
-    ungated = _ungated_scan_functions(mamba_chunk_scan_combined)
-    if ungated is not None and z is None and not scan_kwargs:
-        y = _UngatedChunkScan.apply(x, dt, A, B, C, D, plan.seq_idx, chunk_size, ungated)
-    else:
-        y = mamba_chunk_scan_combined(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            chunk_size,
-            D=D,
-            z=z,
-            seq_idx=plan.seq_idx,
-            dt_softplus=False,
-            **(scan_kwargs or {}),
-        )
-    if not plan.internal:
-        return y
-
-    args = (x[0], B[0], C[0], y[0], None if z is None else z[0], dt[0], A, forest)
-    if mamba_chunk_scan_combined is not torch_ssd.mamba_chunk_scan_combined:
+    scan_kwargs = scan_kwargs or {}
+    functions = scan_functions(mamba_chunk_scan_combined, scan_kwargs)
+    if functions is not None and compute == torch.float32:
         from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
             triton_inherited_state,
         )
 
-        if compute == torch.float32 and triton_inherited_state.supported(x, B, C, y):
-            return _fused_correction(*args).unsqueeze(0)
-    return _torch_correction(*args).unsqueeze(0)
+        if triton_inherited_state.supported(*(t for t in (x, B, C, z) if t is not None)):
+            return _ForkedChunkScan.apply(
+                x, dt, A, B, C, D, z, forest, chunk_size, functions, scan_kwargs
+            )
+    y = mamba_chunk_scan_combined(
+        x, dt, A, B, C, chunk_size, D=D, z=z, seq_idx=plan.seq_idx, dt_softplus=False, **scan_kwargs
+    )
+    if not plan.internal:
+        return y
+    return _torch_correction(
+        x[0], B[0], C[0], y[0], None if z is None else z[0], dt[0], A, forest
+    ).unsqueeze(0)
 
 
 def _torch_correction(x, B, C, y, z, dt, A, forest):
-    """(2) and (1) in plain torch: the CPU path and the oracle of :func:`_fused_correction`.
+    """(2) and (1) in plain torch: the CPU path and the oracle of the Triton kernels
+    (``_ForkedChunkScan``).
 
     x, y, z [T, h, p] (z may be None), B, C [T, g, n], dt [T, h] (processed, compute dtype), A [h];
     returns [T, h, p] in y's dtype.
@@ -415,31 +468,6 @@ def _torch_correction(x, B, C, y, z, dt, A, forest):
         ends.append(state)
     # (1) for every child token, gated like y when z is given.
     return _InheritedStateOutput.apply(y, z, C, cum, plan.child_tokens, *ends)
-
-
-def _fused_correction(x, B, C, y, z, dt, A, forest):
-    """(2) and (1) through the Triton kernels of ssm/triton_inherited_state.py; same contract as
-    :func:`_torch_correction` (float32 dt and A). Five launches forward: the segmented log-decay,
-    every internal segment's own state, the chain to the parents' end states, the correction of
-    every child token (plus one to add state-sum splits).
-    """
-    # pylint: disable-next=import-outside-toplevel
-    from megatron.shared_prefix.ssm import triton_inherited_state as kernels
-
-    plan = TreeScanPlan.of(forest)
-    cum, input_weight, cum_end = kernels.SegmentDecay.apply(
-        dt, A.float(), forest.segment_starts, forest.segment_lengths
-    )
-    own_tables = kernels.TokenBlocks.of(
-        forest,
-        "internal segment tokens",
-        lambda: [torch.arange(first, end) for _, first, end, _ in plan.internal],
-    )
-    child_tables = kernels.TokenBlocks.of(forest, "child tokens", lambda: plan.child_tokens)
-    states = kernels.OwnStates.apply(x, input_weight, B, own_tables)  # [S, h, p, n]
-    if plan.has_parent_slots:
-        states = kernels.StateChain.apply(states, cum_end, plan.slot_segment, plan.slot_parent)
-    return kernels.InheritedStateOutput.apply(y, z, C, cum, states, child_tables)
 
 
 class _InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstract-method

@@ -12,18 +12,23 @@ In plain torch (tree_scan.py, the oracle) these are per-parent loops of gathers,
 temporaries as large as the layer output and batched GEMMs. Here three kernels cover both
 products and their gradients, for every parent at once, reading the activations once:
 
-* :func:`_token_product_kernel` ``out[t, h] = [y[t, h] +] f(w[t, h]) * gate * (C[t, g] . S[s, h])``;
+* :func:`_token_product_kernel` ``out[t, h] += f(w[t, h]) * gate * (C[t, g] . S[s, h])``;
 * :func:`_token_grad_kernel`, for ``u[t, h] = (gate * v[t, h]) . S[s, h]`` ([N]):
-  ``dC[t, g] = sum_h f(w) * u``, ``dw[t, h] = f'(w) * sum_n u * C`` and the gate's gradient;
+  ``dC[t, g] += sum_h f(w) * u``, the gate's gradient likewise, and ``dw[t, h] = f'(w) * sum_n
+  u * C``;
 * :func:`_state_sum_kernel` ``S'[s, h] = sum_t f(w[t, h]) * gate * v[t, h]^T C[t, g]``,
 
 with ``f = exp`` (log weights, the correction) or the identity (linear weights, the own states).
 The forward of the correction is a token product, its backward a token gradient and a state sum;
 the own states are a state sum, their backward a token product (dx) and a token gradient (dB, dw).
+The products add into their output, and the gradients into the packed scan's own: the correction
+is written into the scan's output, and its gradients into the scan's gradients of x, dt, B, C and z
+(:class:`ForkedStates`, run with the scan in one autograd function by tree_scan.py), so no
+activation-sized buffer is zero-filled, copied or summed for the fork.
 
-Two small kernels feed them: :class:`SegmentDecay` (cum, cum_end and the input weights w from dt
+Two small kernels feed them: :func:`segment_decay` (cum, cum_end and the input weights w from dt
 and A, float64 sums within each segment, one program per segment and head block walking its
-tokens) and :class:`StateChain` (``end[s] = own[s] + exp(cum_end[s]) * end[parent(s)]`` for all
+tokens) and :func:`chain_states` (``end[s] = own[s] + exp(cum_end[s]) * end[parent(s)]`` for all
 internal segments in one launch, parents first). Every step is thus a fixed number of launches per
 layer, however many segments the row has.
 
@@ -154,7 +159,7 @@ def _load_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, BLOCK_P: tl.
 @triton.jit
 def _load_state(ptr, slot, head, stride_slot, stride_h, stride_p, stride_n, head_dim, state_dim,
                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """[BLOCK_P, BLOCK_N] float32 state ``ptr[slot, head]`` (0 outside [P, N])."""
+    """[BLOCK_P, BLOCK_N] state ``ptr[slot, head]`` in the states' dtype (0 outside [P, N])."""
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     return tl.load(
@@ -167,18 +172,18 @@ def _load_state(ptr, slot, head, stride_slot, stride_h, stride_p, stride_n, head
 
 @triton.jit(do_not_specialize=("num_blocks",))
 def _token_product_kernel(
-    out_ptr, y_ptr, z_ptr, C_ptr, w_ptr, states_ptr, blocks_ptr, tokens_ptr,
+    out_ptr, z_ptr, C_ptr, w_ptr, states_ptr, blocks_ptr, tokens_ptr,
     num_blocks, heads_per_group, head_dim, state_dim,
     stride_out_t, stride_out_h, stride_out_p,
-    stride_y_t, stride_y_h, stride_y_p,
     stride_z_t, stride_z_h, stride_z_p,
     stride_C_t, stride_C_g, stride_C_n,
     stride_w_t, stride_w_h,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
-    HAS_Y: tl.constexpr, HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
+    HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (block, group): out = [y +] f(w) * gate * C . state, for the group's heads."""
+    """Program (block, group): out += f(w) * gate * C . state, for the group's heads (the sum in
+    float32, rounded once to out's dtype)."""
     tokens, mask, slot = _block(blocks_ptr, tokens_ptr, tl.program_id(0), num_blocks, BLOCK_T)
     group = tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
@@ -200,10 +205,9 @@ def _token_product_kernel(
         if HAS_Z:
             z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
             result = result * z * tl.sigmoid(z)
-        if HAS_Y:
-            result += _load_tp(
-                y_ptr, tokens, head, stride_y_t, stride_y_h, stride_y_p, mask_tp, BLOCK_P
-            )
+        result += _load_tp(
+            out_ptr, tokens, head, stride_out_t, stride_out_h, stride_out_p, mask_tp, BLOCK_P
+        )
         tl.store(
             out_ptr + tokens[:, None] * stride_out_t + head * stride_out_h
             + p[None, :] * stride_out_p,
@@ -217,6 +221,8 @@ def _token_grad_kernel(
     grad_C_ptr, grad_w_ptr, grad_z_ptr, v_ptr, z_ptr, C_ptr, w_ptr, states_ptr,
     blocks_ptr, tokens_ptr,
     num_blocks, heads_per_group, head_dim, state_dim,
+    stride_gC_t, stride_gC_g, stride_gC_n,
+    stride_gz_t, stride_gz_h, stride_gz_p,
     stride_v_t, stride_v_h, stride_v_p,
     stride_z_t, stride_z_h, stride_z_p,
     stride_C_t, stride_C_g, stride_C_n,
@@ -226,9 +232,9 @@ def _token_grad_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (block, group), with u = (gate * v) . state ([T, N] per head):
-    dC = sum_heads f(w) * u, dw = f'(w) * sum_n u * C, dz = v * f(w) * (C . state) * silu'(z).
-
-    grad_C, grad_w and grad_z are contiguous [T, G, N], [T, H] and [T, H, P].
+    dC += sum_heads f(w) * u, dz += v * f(w) * (C . state) * silu'(z) (each sum in float32, rounded
+    once to the gradient's dtype), and dw = f'(w) * sum_n u * C written to grad_w, contiguous
+    [T, H] float32.
     """
     tokens, mask, slot = _block(blocks_ptr, tokens_ptr, tl.program_id(0), num_blocks, BLOCK_T)
     group = tl.program_id(1)
@@ -243,7 +249,9 @@ def _token_grad_kernel(
         mask=mask_tn,
         other=0.0,
     )
-    grad_C = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    grad_C_at = grad_C_ptr + tokens[:, None] * stride_gC_t + group * stride_gC_g
+    grad_C_at += n[None, :] * stride_gC_n
+    grad_C = tl.load(grad_C_at, mask=mask_tn, other=0.0).to(tl.float32)
     for r in range(heads_per_group):
         head = group * heads_per_group + r
         state = _load_state(states_ptr, slot, head, stride_s_slot, stride_s_h, stride_s_p,
@@ -258,11 +266,14 @@ def _token_grad_kernel(
             sigmoid = tl.sigmoid(z)
             product = tl.dot(C, tl.trans(state))
             grad_z = v * product * weight[:, None] * (sigmoid * (1 + z * (1 - sigmoid)))
+            grad_z += _load_tp(grad_z_ptr, tokens, head, stride_gz_t, stride_gz_h, stride_gz_p,
+                               mask_tp, BLOCK_P)  # fmt: skip
             tl.store(
-                grad_z_ptr + (tokens[:, None] * num_heads + head) * head_dim + p[None, :],
+                grad_z_ptr + tokens[:, None] * stride_gz_t + head * stride_gz_h
+                + p[None, :] * stride_gz_p,
                 grad_z.to(grad_z_ptr.dtype.element_ty),
                 mask=mask_tp,
-            )
+            )  # fmt: skip
             v = v * z * sigmoid
         u = tl.dot(v.to(C.dtype), state)  # [T, N] float32
         grad_w = tl.sum(u * C.to(tl.float32), axis=1)
@@ -270,11 +281,7 @@ def _token_grad_kernel(
             grad_w = grad_w * weight
         tl.store(grad_w_ptr + tokens * num_heads + head, grad_w, mask=mask)
         grad_C += u * weight[:, None]
-    tl.store(
-        grad_C_ptr + (tokens[:, None] * num_groups + group) * state_dim + n[None, :],
-        grad_C.to(grad_C_ptr.dtype.element_ty),
-        mask=mask_tn,
-    )
+    tl.store(grad_C_at, grad_C.to(grad_C_ptr.dtype.element_ty), mask=mask_tn)
 
 
 @triton.jit(do_not_specialize=("num_blocks", "num_splits"))
@@ -399,14 +406,15 @@ def _segment_decay_fwd_kernel(
 def _segment_decay_bwd_kernel(
     grad_dt_ptr, grad_A_partial_ptr, grad_cum_ptr, grad_weight_ptr, grad_cum_end_ptr,
     dt_ptr, A_ptr, starts_ptr, lengths_ptr,
-    num_heads, stride_dt_t, stride_dt_h,
+    num_heads, stride_dt_t, stride_dt_h, stride_gdt_t, stride_gdt_h,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Program (segment, head block), gradients of :func:`_segment_decay_fwd_kernel`. With
     g_te[t] = d weight[t] * weight[t] (the gradient of cum_end - cum[t]):
     d a[u] = sum_{t >= u} d cum[t] + sum_{t < u} g_te[t] + d cum_end, d dt = d a * A + d weight *
     exp(cum_end - cum), and per segment d A = sum_u d a[u] * dt[u] (grad_A_partial [S, H], float32,
-    summed over segments by the caller). Float64 sums; grad_dt contiguous [T, H] float32."""
+    summed over segments by the caller). Float64 sums; d dt is added to grad_dt ([T, H] float32,
+    rounded once); grad_cum and grad_weight are contiguous [T, H]."""
     segment = tl.program_id(0)
     heads, head_mask, A, start, length = _segment_program(
         A_ptr, starts_ptr, lengths_ptr, segment, num_heads, BLOCK_H
@@ -441,7 +449,9 @@ def _segment_decay_bwd_kernel(
         step = grad_to_end - grad_cum
         grad_a = carry[None, :] + tl.cumsum(step, axis=0) - step
         grad_dt = grad_a * A[None, :] + (grad_weight * decay).to(tl.float64)
-        tl.store(grad_dt_ptr + index, grad_dt.to(tl.float32), mask=mask)
+        grad_dt_at = grad_dt_ptr + tokens[:, None] * stride_gdt_t + heads[None, :] * stride_gdt_h
+        grad_dt += tl.load(grad_dt_at, mask=mask, other=0.0).to(tl.float64)
+        tl.store(grad_dt_at, grad_dt.to(tl.float32), mask=mask)
         grad_A += tl.sum(tl.where(mask, grad_a * dt.to(tl.float64), 0.0), axis=0)
         carry += tl.sum(step, axis=0)
         cum_before += tl.sum(a, axis=0)
@@ -521,45 +531,47 @@ def _sizes(values, C):
     )
 
 
-def token_product(y, z, C, w, states, tables: TokenBlocks, *, exp_weight, out):
-    """Write ``[y +] f(w) * gate(z) * C . states[slot]`` into ``out`` ([T, H, P]) at the tokens of
-    ``tables``. y, z: [T, H, P] or None; C [T, G, N]; w [T, H] float32; states [S, H, P, N]."""
+def _in_product_dtype(states, C):
+    """The states rounded once to C's dtype, in which every program multiplies them (each program
+    reads the state of every head of its group: in bf16 that is half the reads of float32)."""
+    return states.to(C.dtype)
+
+
+def token_product(z, C, w, states, tables: TokenBlocks, *, exp_weight, out):
+    """Add ``f(w) * gate(z) * C . states[slot]`` to ``out`` ([T, H, P]) in place at the tokens of
+    ``tables``. z: [T, H, P] or None; C [T, G, N]; w [T, H] float32; states [S, H, P, N]."""
     num_blocks = tables.blocks.shape[1]
     if num_blocks == 0:
         return out
     heads, head_dim, groups, state_dim, sizes = _sizes(out, C)
+    states = _in_product_dtype(states, C)
     _token_product_kernel[(num_blocks, groups)](
-        out, y if y is not None else out, z if z is not None else out, C, w, states,
-        tables.blocks, tables.tokens,
+        out, z if z is not None else out, C, w, states, tables.blocks, tables.tokens,
         num_blocks, heads // groups, head_dim, state_dim,
-        *out.stride(), *_strides(y, 3), *_strides(z, 3), *C.stride(), *w.stride(),
-        *states.stride(),
-        HAS_Y=y is not None, HAS_Z=z is not None, EXP_WEIGHT=exp_weight,
-        BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+        *out.stride(), *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
+        HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
     )  # fmt: skip
     return out
 
 
-def token_grad(v, z, C, w, states, tables: TokenBlocks, *, exp_weight):
-    """(dC [T, G, N] in C's dtype, dw [T, H] float32, dz [T, H, P] in z's dtype or None) of
-    :func:`token_product` given v = its output gradient; zero outside the tables' tokens."""
+def token_grad(v, z, C, w, states, tables: TokenBlocks, *, exp_weight, grad_C, grad_z=None):
+    """Gradients of :func:`token_product` given v, its output's gradient: dC is added to grad_C
+    ([T, G, N]) and, with z, dz to grad_z ([T, H, P]), in place at the tables' tokens; returns
+    dw [T, H] float32, zero outside the tables' tokens."""
     heads, head_dim, groups, state_dim, sizes = _sizes(v, C)
-    length = v.shape[0]
-    grad_C = torch.zeros(length, groups, state_dim, dtype=C.dtype, device=C.device)
-    grad_w = torch.zeros(length, heads, dtype=torch.float32, device=C.device)
-    grad_z = (
-        None if z is None else torch.zeros(length, heads, head_dim, dtype=z.dtype, device=z.device)
-    )
+    grad_w = torch.zeros(v.shape[0], heads, dtype=torch.float32, device=C.device)
     num_blocks = tables.blocks.shape[1]
     if num_blocks:
+        states = _in_product_dtype(states, C)
         _token_grad_kernel[(num_blocks, groups)](
             grad_C, grad_w, grad_z if z is not None else grad_w, v, z if z is not None else v,
             C, w, states, tables.blocks, tables.tokens,
             num_blocks, heads // groups, head_dim, state_dim,
-            *v.stride(), *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
+            *grad_C.stride(), *_strides(grad_z if z is not None else None, 3), *v.stride(),
+            *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
             HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
         )  # fmt: skip
-    return grad_C, grad_w, grad_z
+    return grad_w
 
 
 def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
@@ -567,7 +579,8 @@ def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
     heads, head_dim, _, state_dim, sizes = _sizes(v, C)
     num_blocks, num_splits = tables.blocks.shape[1], tables.splits.shape[1]
     num_slots = tables.slot_splits.shape[1]
-    partial = torch.zeros(num_splits, heads, head_dim, state_dim, device=C.device)
+    # Every element is written by the kernel: no fill.
+    partial = torch.empty(num_splits, heads, head_dim, state_dim, device=C.device)
     if num_splits:
         _state_sum_kernel[(num_splits, heads)](
             partial, v, z if z is not None else v, C, w, tables.blocks, tables.splits,
@@ -584,59 +597,14 @@ def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
     return out
 
 
-class OwnStates(torch.autograd.Function):  # pylint: disable=abstract-method
-    """own [S, H, P, N] float32: per internal segment, sum over its tokens of w * x^T B.
-
-    Inputs: x [T, H, P], w [T, H] float32 (the input weights of (2)), B [T, G, N], tables over each
-    internal segment's own tokens.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w, B, tables):  # pylint: disable=arguments-differ
-        ctx.tables = tables
-        ctx.save_for_backward(x, w, B)
-        return state_sum(x, None, B, w, tables, exp_weight=False)
-
-    @staticmethod
-    def backward(ctx, grad_own):  # pylint: disable=arguments-differ
-        x, w, B = ctx.saved_tensors
-        grad_own = grad_own.contiguous()
-        grad_x = token_product(
-            None, None, B, w, grad_own, ctx.tables, exp_weight=False, out=torch.zeros_like(x)
-        )
-        grad_B, grad_w, _ = token_grad(x, None, B, w, grad_own, ctx.tables, exp_weight=False)
-        return grad_x, grad_w, grad_B, None
+# Tokens per step and heads per program of the segment walk. Its time is the serial walk of the
+# longest segment: on an H200 (64 heads, a 4096-token prompt) 128 x 4 took 0.2 ms forward and
+# backward, 64 x 16 0.4 ms.
+DECAY_BLOCK_T = 128
+DECAY_BLOCK_H = 4
 
 
-class InheritedStateOutput(torch.autograd.Function):  # pylint: disable=abstract-method
-    """y with ``gate * exp(cum) * (C . states[parent])`` added at every child token, (1).
-
-    Inputs: y [T, H, P], z [T, H, P] or None, C [T, G, N], cum [T, H] float32, states
-    [S, H, P, N] float32 (the parents' end states), tables over each parent's child tokens.
-    Nothing of size [children, H, P] is kept for backward.
-    """
-
-    @staticmethod
-    def forward(ctx, y, z, C, cum, states, tables):  # pylint: disable=arguments-differ
-        ctx.tables = tables
-        ctx.save_for_backward(z, C, cum, states)
-        return token_product(y, z, C, cum, states, tables, exp_weight=True, out=y.clone())
-
-    @staticmethod
-    def backward(ctx, grad_out):  # pylint: disable=arguments-differ
-        z, C, cum, states = ctx.saved_tensors
-        grad_C, grad_cum, grad_z = token_grad(
-            grad_out, z, C, cum, states, ctx.tables, exp_weight=True
-        )
-        grad_states = state_sum(grad_out, z, C, cum, ctx.tables, exp_weight=True)
-        return grad_out, grad_z, grad_C, grad_cum, grad_states, None
-
-
-DECAY_BLOCK_T = 64  # tokens per step of the segment walk
-DECAY_BLOCK_H = 16  # heads per program of the segment walk
-
-
-class SegmentDecay(torch.autograd.Function):  # pylint: disable=abstract-method
+def segment_decay(dt, A, segment_starts, segment_lengths):
     """(cum [T, H], input_weight [T, H], cum_end [S, H]), float32, of (1)-(2) in tree_scan.py.
 
     With a = dt * A summed in float64 within each segment: cum[t] = the sum up to t, cum_end = the
@@ -646,74 +614,153 @@ class SegmentDecay(torch.autograd.Function):  # pylint: disable=abstract-method
     Inputs: dt [T, H] float32 (processed step sizes), A [H] float32, segment_starts and
     segment_lengths [S] int64 covering every token.
     """
-
-    @staticmethod
-    def forward(ctx, dt, A, segment_starts, segment_lengths):  # pylint: disable=arguments-differ
-        length, heads = dt.shape
-        segments = segment_starts.shape[0]
-        cum = torch.empty(length, heads, dtype=torch.float32, device=dt.device)
-        weight = torch.empty_like(cum)
-        cum_end = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
-        grid = (segments, triton.cdiv(heads, DECAY_BLOCK_H))
-        _segment_decay_fwd_kernel[grid](
-            cum, weight, cum_end, dt, A, segment_starts, segment_lengths, heads, *dt.stride(),
-            BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
-        )  # fmt: skip
-        ctx.save_for_backward(dt, A, segment_starts, segment_lengths)
-        return cum, weight, cum_end
-
-    @staticmethod
-    def backward(ctx, grad_cum, grad_weight, grad_cum_end):  # pylint: disable=arguments-differ
-        dt, A, segment_starts, segment_lengths = ctx.saved_tensors
-        length, heads = dt.shape
-        segments = segment_starts.shape[0]
-
-        def dense(grad, *shape):
-            return torch.zeros(*shape, device=dt.device) if grad is None else grad.contiguous()
-
-        grad_dt = torch.empty(length, heads, dtype=torch.float32, device=dt.device)
-        grad_A_partial = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
-        grid = (segments, triton.cdiv(heads, DECAY_BLOCK_H))
-        _segment_decay_bwd_kernel[grid](
-            grad_dt, grad_A_partial, dense(grad_cum, length, heads),
-            dense(grad_weight, length, heads), dense(grad_cum_end, segments, heads),
-            dt, A, segment_starts, segment_lengths, heads, *dt.stride(),
-            BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
-        )  # fmt: skip
-        return grad_dt, grad_A_partial.sum(0), None, None
+    length, heads = dt.shape
+    segments = segment_starts.shape[0]
+    cum = torch.empty(length, heads, dtype=torch.float32, device=dt.device)
+    weight = torch.empty_like(cum)
+    cum_end = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
+    _segment_decay_fwd_kernel[(segments, triton.cdiv(heads, DECAY_BLOCK_H))](
+        cum, weight, cum_end, dt, A, segment_starts, segment_lengths, heads, *dt.stride(),
+        BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+    )  # fmt: skip
+    return cum, weight, cum_end
 
 
-class StateChain(torch.autograd.Function):  # pylint: disable=abstract-method
+def segment_decay_backward(
+    grad_cum, grad_weight, grad_cum_end, dt, A, segment_starts, segment_lengths, *, grad_dt
+):
+    """Gradients of :func:`segment_decay` given those of its outputs (contiguous [T, H], [T, H]
+    and [S, H] float32; grad_cum_end may be None, zero): d dt is added to grad_dt ([T, H]
+    float32) in place; returns d A [H] float32."""
+    heads = dt.shape[1]
+    segments = segment_starts.shape[0]
+    if grad_cum_end is None:
+        grad_cum_end = torch.zeros(segments, heads, device=dt.device)
+    grad_A_partial = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
+    _segment_decay_bwd_kernel[(segments, triton.cdiv(heads, DECAY_BLOCK_H))](
+        grad_dt, grad_A_partial, grad_cum, grad_weight, grad_cum_end,
+        dt, A, segment_starts, segment_lengths, heads, *dt.stride(), *grad_dt.stride(),
+        BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+    )  # fmt: skip
+    return grad_A_partial.sum(0)
+
+
+def chain_states(own, cum_end, slot_segment, slot_parent):
     """ends [S, H, P, N] float32: ``ends[s] = own[s] + exp(cum_end[segment(s)]) * ends[parent(s)]``
     (parents first; a root's end state is its own), in one kernel launch for all internal segments.
 
     Inputs: own [S, H, P, N] float32 contiguous, cum_end [segments, H] float32, slot_segment [S]
     int64 (the segment of each slot), slot_parent [S] int64 (the parent's slot, -1 for a root).
     """
+    slots, heads = own.shape[:2]
+    size = own[0, 0].numel()
+    ends = torch.empty_like(own)
+    _chain_fwd_kernel[(heads, triton.cdiv(size, SUM_BLOCK))](
+        ends, own, cum_end, slot_segment, slot_parent, slots, heads, size, BLOCK=SUM_BLOCK
+    )
+    return ends
 
-    @staticmethod
-    def forward(ctx, own, cum_end, slot_segment, slot_parent):  # pylint: disable=arguments-differ
-        slots, heads = own.shape[:2]
-        size = own[0, 0].numel()
-        ends = torch.empty_like(own)
-        _chain_fwd_kernel[(heads, triton.cdiv(size, SUM_BLOCK))](
-            ends, own, cum_end, slot_segment, slot_parent, slots, heads, size, BLOCK=SUM_BLOCK
+
+def chain_states_backward(grad_ends, ends, cum_end, slot_segment, slot_parent):
+    """(d own [S, H, P, N], d cum_end [segments, H]) of :func:`chain_states`, given d ends and
+    its output ends."""
+    slots, heads = ends.shape[:2]
+    size = ends[0, 0].numel()
+    chunks = triton.cdiv(size, SUM_BLOCK)
+    grad_own = torch.zeros_like(ends)
+    grad_decay = torch.empty(slots, heads, chunks, device=ends.device)
+    _chain_bwd_kernel[(heads, chunks)](
+        grad_own, grad_decay, grad_ends.contiguous(), ends, cum_end, slot_segment, slot_parent,
+        slots, heads, size, BLOCK=SUM_BLOCK,
+    )  # fmt: skip
+    slot_grad = grad_decay.sum(-1) * torch.exp(cum_end[slot_segment])  # [S, H]
+    return grad_own, torch.zeros_like(cum_end).index_put((slot_segment,), slot_grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkedStates:
+    """The forked states of one forest row, (1)-(2) of tree_scan.py, as a forward that corrects
+    the packed scan's output in place and a backward that adds into the packed scan's gradients.
+
+    tree_scan's ``_ForkedChunkScan`` runs both around mamba_ssm's scan in one autograd function:
+    the gradients of x, dt, B, C and z then get the fork's part added at the tokens it touches,
+    instead of as zero-filled activation-sized tensors that autograd sums with the scan's, and
+    the corrected output is the scan's own, not a copy.
+
+    Attributes: segment_starts, segment_lengths [segments] int64; own and children, the token
+    tables of every internal segment's own tokens and of its children's tokens (slot = its index
+    among the internal segments); slot_segment, slot_parent [S] int64 and has_parent_slots, the
+    chain's tables (``TreeScanPlan``).
+    """
+
+    segment_starts: torch.Tensor
+    segment_lengths: torch.Tensor
+    own: TokenBlocks
+    children: TokenBlocks
+    slot_segment: torch.Tensor
+    slot_parent: torch.Tensor
+    has_parent_slots: bool
+
+    @classmethod
+    def of(cls, forest: ForestTensors, plan) -> "ForkedStates":
+        """The forked states of ``forest`` given its ``TreeScanPlan`` (tables cached on it)."""
+        return cls(
+            segment_starts=forest.segment_starts,
+            segment_lengths=forest.segment_lengths,
+            own=TokenBlocks.of(
+                forest,
+                "internal segment tokens",
+                lambda: [torch.arange(first, end) for _, first, end, _ in plan.internal],
+            ),
+            children=TokenBlocks.of(forest, "child tokens", lambda: plan.child_tokens),
+            slot_segment=plan.slot_segment,
+            slot_parent=plan.slot_parent,
+            has_parent_slots=plan.has_parent_slots,
         )
-        ctx.save_for_backward(ends, cum_end, slot_segment, slot_parent)
-        return ends
 
-    @staticmethod
-    def backward(ctx, grad_ends):  # pylint: disable=arguments-differ
-        ends, cum_end, slot_segment, slot_parent = ctx.saved_tensors
-        slots, heads = ends.shape[:2]
-        size = ends[0, 0].numel()
-        chunks = triton.cdiv(size, SUM_BLOCK)
-        grad_own = torch.zeros_like(ends)
-        grad_decay = torch.empty(slots, heads, chunks, device=ends.device)
-        _chain_bwd_kernel[(heads, chunks)](
-            grad_own, grad_decay, grad_ends.contiguous(), ends, cum_end, slot_segment, slot_parent,
-            slots, heads, size, BLOCK=SUM_BLOCK,
-        )  # fmt: skip
-        slot_grad = grad_decay.sum(-1) * torch.exp(cum_end[slot_segment])  # [S, H]
-        grad_cum_end = torch.zeros_like(cum_end).index_put((slot_segment,), slot_grad)
-        return grad_own, grad_cum_end, None, None
+    def forward(self, y, x, z, dt, A, B, C):
+        """Add ``gate * exp(cum) * (C . end state of the parent)`` to y ([T, H, P], the packed
+        scan's output, gated by silu(z) when z is given) in place at every child token, (1), with
+        the parents' end states from (2).
+
+        Inputs: x, z [T, H, P] (z may be None), dt [T, H] float32 (processed), A [H] float32,
+        B, C [T, G, N]. Returns what :meth:`backward` reads: (cum [T, H], input weight [T, H],
+        cum_end [segments, H], end states [S, H, P, N]), float32.
+        """
+        cum, weight, cum_end = segment_decay(dt, A, self.segment_starts, self.segment_lengths)
+        ends = state_sum(x, None, B, weight, self.own, exp_weight=False)
+        if self.has_parent_slots:
+            ends = chain_states(ends, cum_end, self.slot_segment, self.slot_parent)
+        token_product(z, C, cum, ends, self.children, exp_weight=True, out=y)
+        return cum, weight, cum_end, ends
+
+    def backward(self, grad_y, saved, x, z, dt, A, B, C, *, grad_x, grad_dt, grad_B, grad_C,
+                 grad_z):  # fmt: skip
+        """Add the fork's gradients to the packed scan's, in place: grad_x, grad_z [T, H, P],
+        grad_dt [T, H] float32, grad_B, grad_C [T, G, N] (grad_z None without z). grad_y: the
+        corrected output's gradient; saved: what :meth:`forward` returned. Returns d A [H]
+        float32, to be added to the scan's."""
+        cum, weight, cum_end, ends = saved
+        grad_cum = token_grad(
+            grad_y, z, C, cum, ends, self.children, exp_weight=True, grad_C=grad_C, grad_z=grad_z
+        )
+        grad_own = state_sum(grad_y, z, C, cum, self.children, exp_weight=True)
+        grad_cum_end = None
+        if self.has_parent_slots:
+            grad_own, grad_cum_end = chain_states_backward(
+                grad_own, ends, cum_end, self.slot_segment, self.slot_parent
+            )
+        token_product(None, B, weight, grad_own, self.own, exp_weight=False, out=grad_x)
+        grad_weight = token_grad(
+            x, None, B, weight, grad_own, self.own, exp_weight=False, grad_C=grad_B
+        )
+        return segment_decay_backward(
+            grad_cum,
+            grad_weight,
+            grad_cum_end,
+            dt,
+            A,
+            self.segment_starts,
+            self.segment_lengths,
+            grad_dt=grad_dt,
+        )

@@ -405,34 +405,42 @@ def kept_storages(run):
 @pytest.mark.gpu
 @needs_triton_scan
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_ungated_triton_scan_is_mamba_ssm_scan_keeping_less(forest_sequences, dtype):
-    """Without a gate, the tree's packed scan runs mamba_ssm's forward and backward functions
-    (``_UngatedChunkScan``): outputs and every gradient bitwise those of mamba_ssm's
-    ``mamba_chunk_scan_combined``, while autograd keeps at least the output's size less."""
+@pytest.mark.parametrize("gate", [False, True], ids=["no-z", "z"])
+def test_forked_scan_of_a_row_of_roots_is_mamba_ssm_scan(forest_sequences, dtype, gate):
+    """On a row without internal segments the tree's scan (``_ForkedChunkScan``) runs mamba_ssm's
+    forward and backward functions alone: outputs and every gradient bitwise those of mamba_ssm's
+    ``mamba_chunk_scan_combined``; without a gate autograd keeps at least the output's size less
+    (the stock function keeps its output), with one no more (both keep the ungated output)."""
     from megatron.shared_prefix.ssm import tree_scan
 
-    _, layout, forest = gpu_forest(forest_sequences)
-    inputs = gpu_inputs(layout.num_tokens, dtype, z=False, dt_bias=False, softplus=False)
-    scan_inputs_ = {k: inputs[k] for k in ("x", "dt", "A", "B", "C", "D")}
+    sequences = forest_sequences(seed=1, depth=3, max_segment=120)
+    roots = [np.concatenate([[10**6 + k], s]) for k, s in enumerate(sequences)]
+    layout, forest = make_forest(roots, pad_multiple=64, device="cuda")
+    assert not TreeScanPlan.of(forest).internal
+    inputs = gpu_inputs(layout.num_tokens, dtype, z=gate, dt_bias=False, softplus=False)
+    scan_inputs_ = {k: inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "z")}
     seq_idx = TreeScanPlan.of(forest).seq_idx
     probe = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(5)).cuda()
     stock_scan = triton_chunk_scan()
-    functions = tree_scan._ungated_scan_functions(stock_scan)
+    functions = tree_scan.scan_functions(stock_scan)
     assert functions is not None
     stock, stock_kept = kept_storages(
         lambda: stock_scan(chunk_size=64, seq_idx=seq_idx, **scan_inputs_)
     )
-    ungated, ungated_kept = kept_storages(
-        lambda: tree_scan._UngatedChunkScan.apply(*scan_inputs_.values(), seq_idx, 64, functions)
+    forked, forked_kept = kept_storages(
+        lambda: tree_scan._ForkedChunkScan.apply(*scan_inputs_.values(), forest, 64, functions, {})
     )
-    assert torch.equal(ungated, stock)
-    assert stock.untyped_storage().data_ptr() in stock_kept
-    assert ungated.untyped_storage().data_ptr() not in ungated_kept
-    assert sum(stock_kept.values()) - sum(ungated_kept.values()) >= stock.nbytes
+    assert torch.equal(forked, stock)
+    if gate:  # both keep the ungated output; the stock function also its chunked decay
+        assert sum(forked_kept.values()) <= sum(stock_kept.values())
+    else:
+        assert stock.untyped_storage().data_ptr() in stock_kept
+        assert forked.untyped_storage().data_ptr() not in forked_kept
+        assert sum(stock_kept.values()) - sum(forked_kept.values()) >= stock.nbytes
     stock_grads = grads_of(stock.float(), scan_inputs_, probe)
-    ungated_grads = grads_of(ungated.float(), scan_inputs_, probe)
+    forked_grads = grads_of(forked.float(), scan_inputs_, probe)
     for name, want in stock_grads.items():
-        assert torch.equal(ungated_grads[name], want), name
+        assert torch.equal(forked_grads[name], want), name
 
 
 @pytest.mark.gpu
@@ -463,10 +471,11 @@ def test_forked_states_keep_little_more_per_token_than_a_row_of_roots(forest_seq
     assert per_token["tree"] <= per_token["roots"] + allowance, per_token
 
 
-def test_ungated_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeypatch):
-    """``_ungated_scan_functions`` returns mamba_ssm's (forward, backward) only for the module's own
+def test_forked_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeypatch):
+    """``scan_functions`` returns mamba_ssm's (forward, backward) only for the module's own
     ``mamba_chunk_scan_combined`` and only when both functions take the leading arguments that
-    ``_UngatedChunkScan`` passes; otherwise None, and the stock scan runs."""
+    ``_ForkedChunkScan`` passes and the keywords of the scan's options; otherwise None, and the
+    stock scan runs."""
     import sys
     import types
 
@@ -479,7 +488,10 @@ def test_ungated_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeyp
     def backward(dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, seq_idx=None):
         return None
 
-    def renamed_backward(dout, x, dt, A, B, C, chunk_size, out, D=None, seq_idx=None):
+    def renamed_backward(dout, x, dt, A, B, C, chunk_size, out, D=None, z=None, seq_idx=None):
+        return None
+
+    def ungated_backward(dout, x, dt, A, B, C, out, chunk_size, D=None, seq_idx=None):
         return None
 
     def scan(*args, **kwargs):
@@ -491,10 +503,13 @@ def test_ungated_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeyp
     module._mamba_chunk_scan_combined_fwd = forward
     module._mamba_chunk_scan_combined_bwd = backward
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    assert tree_scan._ungated_scan_functions(scan) == (forward, backward)
-    assert tree_scan._ungated_scan_functions(lambda *a, **k: None) is None  # not the module's
-    assert tree_scan._ungated_scan_functions(torch_ssd.mamba_chunk_scan_combined) is None
-    monkeypatch.setattr(module, "_mamba_chunk_scan_combined_bwd", renamed_backward)
-    assert tree_scan._ungated_scan_functions(scan) is None
+    assert tree_scan.scan_functions(scan) == (forward, backward)
+    assert tree_scan.scan_functions(scan, {}) == (forward, backward)
+    assert tree_scan.scan_functions(scan, {"state_dtype": None}) is None  # an option they lack
+    assert tree_scan.scan_functions(lambda *a, **k: None) is None  # not the module's
+    assert tree_scan.scan_functions(torch_ssd.mamba_chunk_scan_combined) is None
+    for other in (renamed_backward, ungated_backward):
+        monkeypatch.setattr(module, "_mamba_chunk_scan_combined_bwd", other)
+        assert tree_scan.scan_functions(scan) is None
     monkeypatch.delattr(module, "_mamba_chunk_scan_combined_bwd")
-    assert tree_scan._ungated_scan_functions(scan) is None
+    assert tree_scan.scan_functions(scan) is None

@@ -1,11 +1,14 @@
 """Triton kernels of the tree scan's forked states (ssm/triton_inherited_state.py) against the torch
 oracle.
 
-tree_scan's ``_fused_correction`` (segmented log-decay, own states of every internal segment, the
-chain to the parents' end states, the inherited-state output of every child token) must match
-``_torch_correction`` (plain torch, float64 log-decay sums, float32 products) on the same random x,
-B, C, y, z, dt and A of a depth-3 forest whose parents have more tokens than one kernel block and
-one state-sum split, with heads sharing groups: the output and the gradients of every input.
+tree_scan's ``_ForkedChunkScan`` (the packed scan, then the segmented log-decay, own states of every
+internal segment, the chain to the parents' end states and the inherited-state output of every child
+token, written into the scan's output; backward adding the fork's gradients into the scan's) must
+match ``tree_ssd_scan(backend="torch")`` (the same scan, then ``_torch_correction``: plain torch,
+float64 log-decay sums, float32 products) on the same random x, dt, A, B, C, D and z of a depth-3
+forest whose parents have more tokens than one kernel block and one state-sum split, with heads
+sharing groups: the output and the gradients of every input. Both run torch_ssd's scan (here as a
+forward and backward pair with mamba_ssm's signatures), so the difference is the fork's alone.
 
 * CPU: Triton's interpreter (TRITON_INTERPRET=1, which must be set before triton compiles anything,
   hence a subprocess running this file), float32. The interpreter evaluates tl.dot in float32, so
@@ -25,10 +28,11 @@ import pytest
 import torch
 
 from megatron.shared_prefix.planning import plan_shared_prefix
-from megatron.shared_prefix.ssm import tree_scan
+from megatron.shared_prefix.ssm import torch_ssd, tree_scan
 from megatron.shared_prefix.tensors import ForestTensors
 
 HEADS, GROUPS, HEAD_DIM, STATE = 4, 2, 24, 20  # not powers of two: the kernels mask the tails
+CHUNK = 64
 TOLERANCE = {"cpu": 1e-5, torch.float32: 5e-3, torch.bfloat16: 3e-2}
 
 
@@ -44,6 +48,34 @@ def forest(device):
     return ForestTensors.from_layout(layout, device)
 
 
+def torch_scan_functions():
+    """torch_ssd's scan as the (forward, backward) pair that ``_ForkedChunkScan`` calls, with
+    mamba_ssm's signatures: forward returns (output, ungated output or None); backward recomputes
+    the scan under autograd and returns (dx, ddt, dA, dB, dC, dD, dz)."""
+
+    def run(x, dt, A, B, C, chunk_size, D=None, z=None, seq_idx=None):
+        return torch_ssd.mamba_chunk_scan_combined(
+            x, dt, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx
+        )
+
+    def forward(x, dt, A, B, C, chunk_size, D=None, z=None, seq_idx=None):
+        ungated = None if z is None else run(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)
+        return run(x, dt, A, B, C, chunk_size, D=D, z=z, seq_idx=seq_idx), ungated
+
+    # pylint: disable-next=unused-argument
+    def backward(dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, seq_idx=None):
+        inputs = [
+            None if t is None else t.detach().requires_grad_() for t in (x, dt, A, B, C, D, z)
+        ]
+        with torch.enable_grad():
+            y = run(*inputs[:5], chunk_size, D=inputs[5], z=inputs[6], seq_idx=seq_idx)
+        present = [t for t in inputs if t is not None]
+        grads = iter(torch.autograd.grad(y, present, dout))
+        return tuple(None if t is None else next(grads) for t in inputs)
+
+    return forward, backward
+
+
 def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: bool = False):
     """Run both implementations; return the largest relative error over output and gradients."""
     from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
@@ -56,6 +88,7 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
         triton_inherited_state.DECAY_BLOCK_T = 16
         triton_inherited_state.DECAY_BLOCK_H = 2
     row = forest(device)
+    assert tree_scan.TreeScanPlan.of(row).has_parent_slots  # the chain runs
     torch.manual_seed(0)
     length = row.num_tokens
 
@@ -64,22 +97,27 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
         return values.to(dtype).requires_grad_()
 
     inputs = {
-        "x": leaf(length, HEADS, HEAD_DIM),
-        "B": leaf(length, GROUPS, STATE),
-        "C": leaf(length, GROUPS, STATE),
-        "y": leaf(length, HEADS, HEAD_DIM),
-        "z": leaf(length, HEADS, HEAD_DIM),
-        "dt": (torch.rand(length, HEADS, device=device) * 0.2).requires_grad_(),  # processed dt
+        "x": leaf(1, length, HEADS, HEAD_DIM),
+        "dt": (torch.rand(1, length, HEADS, device=device) * 0.2 + 0.01).requires_grad_(),
         "A": (-torch.rand(HEADS, device=device) - 0.2).requires_grad_(),
+        "B": leaf(1, length, GROUPS, STATE),
+        "C": leaf(1, length, GROUPS, STATE),
+        "D": leaf(HEADS, dtype=torch.float32),
+        "z": leaf(1, length, HEADS, HEAD_DIM),
     }
-    weight = torch.randn(length, HEADS, HEAD_DIM, device=device)
+    weight = torch.randn(1, length, HEADS, HEAD_DIM, device=device)
     worst = 0.0
     for gate in (True, False):
         args = dict(inputs, z=inputs["z"] if gate else None)
         differentiable = [v for v in args.values() if v is not None]
         results = []
-        for correction in (tree_scan._torch_correction, tree_scan._fused_correction):
-            out = correction(forest=row, **args)
+        for fused in (False, True):
+            if fused:  # dt is processed already: positive, no bias, no softplus
+                out = tree_scan._ForkedChunkScan.apply(
+                    *args.values(), row, CHUNK, torch_scan_functions(), {}
+                )
+            else:
+                out = tree_scan.tree_ssd_scan(chunk_size=CHUNK, forest=row, backend="torch", **args)
             grads = torch.autograd.grad((out.float() * weight).sum(), differentiable)
             results.append((out, *grads))
         for expected, actual in zip(*results):

@@ -166,8 +166,10 @@ ENTRIES = [
         training_path=True,
         notes=(
             "Packed mamba_chunk_scan_combined (mamba_ssm Triton on CUDA, torch_ssd on CPU) with "
-            "seq_idx = segment, then the forked-state correction (float64 cumsum, per-parent "
-            "einsums, a custom autograd function writing each child token once). CUDA replay needs "
+            "seq_idx = segment, then the forked-state correction (on CPU: float64 cumsum, "
+            "per-parent einsums, a custom autograd function writing each child token once; on "
+            "CUDA: mamba_ssm's forward and backward functions and the Triton fork in one autograd "
+            "function, _ForkedChunkScan). CUDA replay needs "
             "deterministic mode (mamba_ssm's backward uses atomics). The tensor- and "
             "sequence-parallel mixer is replayed in the multi-process gloo jobs (tp2_sp cases)."
         ),
@@ -184,7 +186,9 @@ ENTRIES = [
         training_path=True,
         notes=(
             "The tree scan's own states of internal segments and inherited-state correction on "
-            "CUDA (next to mamba_ssm's Triton scan), forward and backward. Every output element "
+            "CUDA (next to mamba_ssm's Triton scan), forward and backward; the correction is added "
+            "into the scan's output and its gradients into the scan's, each element by one "
+            "program. Every output element "
             "is written by one program; state sums run over fixed splits of each parent's tokens, "
             "added in index order by a second kernel; no atomics. GPU replay in fp32 and bf16, "
             "with and without the gate, on a depth-3 row and a row whose parents span several "

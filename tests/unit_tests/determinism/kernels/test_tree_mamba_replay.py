@@ -3,7 +3,8 @@
 Kernel-determinism coverage (tests/unit_tests/determinism/kernels/manifest.py, docs/determinism.md):
 the tree conv (F.conv1d, gathers along root paths, an out-of-place index_put), the tree scan (the
 packed chunk scan — torch_ssd on CPU, mamba_ssm's Triton kernel on CUDA, through its forward and
-backward functions when there is no gate — a float64 cumulative sum, the forked-state correction)
+backward functions with the Triton forked-state kernels in one autograd function — a float64
+cumulative sum, the forked-state correction)
 and the mixer that chains them must give identical bits run after run, forward and backward, under
 PyTorch's deterministic settings. The forest has several internal
 segments, one-token segments, windows crossing two segment boundaries and padding; lengths are not
@@ -121,9 +122,9 @@ def test_tree_scan_replay(device, gate, row):
         )
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
-    if not gate:  # what replayed: mamba_ssm's scan keeping no output on CUDA, torch_ssd on CPU
-        ungated = "_UngatedChunkScanBackward" in _graph_nodes(fn(*make_inputs()))
-        assert ungated == (device == "cuda")
+    # What replayed: mamba_ssm's scan and the Triton fork in one function on CUDA, torch_ssd on CPU.
+    forked = "_ForkedChunkScanBackward" in _graph_nodes(fn(*make_inputs()))
+    assert forked == (device == "cuda")
 
 
 def _graph_nodes(tensor):
@@ -232,12 +233,20 @@ def test_mixer_warm_up_changes_no_bit_of_training(megatron_world, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("row", sorted(FORESTS))
 def test_forked_state_kernels_replay(gate, dtype, row):
-    """The fused Triton log-decay, own states, parent chain and correction alone (tree_scan's
-    _fused_correction). On the long star each parent's tokens span several state-sum splits, so the
-    fixed-order split sums run; the depth-3 row chains states through parents."""
+    """mamba_ssm's scan with the fused Triton log-decay, own states, parent chain and correction
+    (tree_scan's _ForkedChunkScan, as tree_ssd_scan runs it), at the widths of a real layer. On the
+    long star each parent's tokens span several state-sum splits, so the fixed-order split sums
+    run; the depth-3 row chains states through parents."""
     from megatron.shared_prefix.ssm import triton_inherited_state
-    from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, _fused_correction
+    from megatron.shared_prefix.ssm.tree_scan import (
+        TreeScanPlan,
+        _ForkedChunkScan,
+        scan_functions,
+        triton_chunk_scan,
+    )
 
+    functions = scan_functions(triton_chunk_scan())
+    assert functions is not None
     forest = FORESTS[row]("cuda")
     assert TreeScanPlan.of(forest).has_parent_slots == (row == "depth-3")  # the chain kernel runs
     length, groups, heads, head_dim, state = forest.num_tokens, 2, 8, 64, 128
@@ -249,16 +258,18 @@ def test_forked_state_kernels_replay(gate, dtype, row):
             return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_()
 
         return (
-            leaf(length, heads, head_dim),  # x
-            leaf(length, groups, state),  # B
-            leaf(length, groups, state),  # C
-            leaf(length, heads, head_dim),  # y
-            leaf(length, heads, head_dim),  # z
-            (torch.rand(length, heads, device="cuda") * 0.2).requires_grad_(),  # processed dt
+            leaf(1, length, heads, head_dim),  # x
+            (torch.rand(1, length, heads, device="cuda") * 0.2).requires_grad_(),  # processed dt
             (-torch.rand(heads, device="cuda") - 0.2).requires_grad_(),  # A
+            leaf(1, length, groups, state),  # B
+            leaf(1, length, groups, state),  # C
+            leaf(heads, dtype=torch.float32),  # D
+            leaf(1, length, heads, head_dim),  # z
         )
 
-    def fn(x, B, C, y, z, dt, A):
-        return _fused_correction(x, B, C, y, z if gate else None, dt, A, fresh(forest))
+    def fn(x, dt, A, B, C, D, z):
+        return _ForkedChunkScan.apply(
+            x, dt, A, B, C, D, z if gate else None, fresh(forest), CHUNK, functions, {}
+        )
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)
