@@ -10,15 +10,45 @@ it; they share these two set-ups:
   expert and context parallel sizes given; data parallelism takes the remaining factor of the world
   size, as in megatron.training.
 
-:func:`shutdown_parallel` tears a world down again before the process exits.
+:func:`shutdown_parallel` tears a world down again before the process exits. On CUDA both first
+pin the ptxas that Triton compiles with (:func:`pin_triton_ptxas`), as ``pretrain_hybrid.py`` does.
 """
 
 import datetime
 import os
 import socket
-from typing import Optional
+from pathlib import Path
+from typing import MutableMapping, Optional
 
 import torch
+
+
+def _torch_ptxas() -> Path:
+    """The ptxas that PyTorch ships (present in its CUDA builds that bundle one)."""
+    return Path(torch.__file__).resolve().parent / "bin" / "ptxas"
+
+
+def pin_triton_ptxas(environ: MutableMapping[str, str] = os.environ) -> Optional[str]:
+    """Make every Triton compile of this process use one ptxas: PyTorch's own, where it ships one.
+
+    Triton's kernel cache is keyed by, among others, the ptxas version. Inductor points Triton at
+    PyTorch's ptxas (``TRITON_PTXAS_PATH``) the first time it compiles in a process, but not when
+    its kernels all come from its cache. So a process that compiled FlexAttention cached its Mamba
+    kernels under one ptxas, and a later process, finding FlexAttention in the Inductor cache, looked
+    them up under the other and compiled all of them again (measured on an H200: 41 kernels, 17 s
+    of a warm process's first step); within one process, kernels compiled before and after
+    Inductor's first compile also came from different ptxas builds. Setting the variable before
+    anything compiles makes Inductor keep it and every process agree.
+
+    Returns the ptxas in effect (None: Triton's own). An explicit ``TRITON_PTXAS_PATH`` is kept.
+    """
+    if environ.get("TRITON_PTXAS_PATH"):
+        return environ["TRITON_PTXAS_PATH"]
+    ptxas = _torch_ptxas()
+    if ptxas.is_file() and os.access(ptxas, os.X_OK):
+        environ["TRITON_PTXAS_PATH"] = str(ptxas)
+        return str(ptxas)
+    return None
 
 
 def _prepare_device(device: torch.device, seed: int) -> None:
@@ -29,6 +59,7 @@ def _prepare_device(device: torch.device, seed: int) -> None:
     if device.type == "cpu":
         enable_cpu()
     else:
+        pin_triton_ptxas()
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -49,6 +49,7 @@ from megatron.shared_prefix.training.arguments import (
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
 from megatron.shared_prefix.training.data import Dataset, ExampleStream, repetition_warning
+from megatron.shared_prefix.training.distributed import pin_triton_ptxas
 from megatron.shared_prefix.training.integrity import (
     TRACKER_NAME,
     iteration_dir,
@@ -592,6 +593,7 @@ def pretrain_with_megatron() -> None:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.utils import print_rank_0
 
+    pin_triton_ptxas()
     verbose = parse_without_validation(sys.argv[1:]).shared_prefix_verbose
     with megatron_argument_dump(verbose):
         args = parse_and_validate_args(extra_args_provider=extra_args_provider(sys.argv[1:]))
