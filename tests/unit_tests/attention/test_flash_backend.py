@@ -131,8 +131,12 @@ def test_deep_random_forests_match_the_dense_mask_oracle(forest_sequences):
     "prompt,turns", [(1024, [[512] * 8]), (300, [[77] * 5]), (700, [[300] * 3, [200] * 2])]
 )
 def test_flash_is_as_close_to_float32_as_flex_on_cuda(prompt, turns):
-    """bf16 on the flash kernels: output and gradients within twice FlexAttention's distance from
-    the float32 oracle on the same inputs (GRPO stars and a depth-3 tree, GQA 8 / 2 heads of 64)."""
+    """bf16 on the flash kernels: output and gradients within FlexAttention's distance from the
+    float32 oracle on the same inputs (GRPO stars and a depth-3 tree, GQA 8 / 2 heads of 64) times
+    the number of passes, at least 2. Flash's backward rounds each pass's dq, dk and dv to bf16
+    before their float32 sum, so a key that the segment pass and m ancestor passes reach carries
+    m + 1 roundings where FlexAttention's one kernel rounds once (on the depth-3 tree, dv came out
+    at 2.45 times FlexAttention's distance on one random draw)."""
     rng = np.random.default_rng(0)
     sequences = [rng.integers(1, 100, prompt).tolist()]
     for widths in turns:  # each turn branches every sequence so far
@@ -141,8 +145,13 @@ def test_flash_is_as_close_to_float32_as_flex_on_cuda(prompt, turns):
     forest = _forest_of(sequences, "cuda")
     assert len(flash_backend.flash_passes(forest).ancestors) == len(turns)
     assert flash_backend.supports("cuda", torch.bfloat16, 64)
-    inputs = [torch.randn(forest.num_tokens, 1, h, 64, device="cuda") for h in (8, 2, 2)]
-    grad = torch.randn(forest.num_tokens, 1, 8 * 64, device="cuda")
+    bound = max(2, 1 + len(turns))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [
+        torch.randn(forest.num_tokens, 1, h, 64, device="cuda", generator=generator)
+        for h in (8, 2, 2)
+    ]
+    grad = torch.randn(forest.num_tokens, 1, 8 * 64, device="cuda", generator=generator)
 
     def run(backend, dtype):
         leaves = [t.to(dtype, copy=True).requires_grad_() for t in inputs]
@@ -154,7 +163,7 @@ def test_flash_is_as_close_to_float32_as_flex_on_cuda(prompt, turns):
     flash, flex = run(flash_backend, torch.bfloat16), run(flex_backend, torch.bfloat16)
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), flash, flex, oracle):
         flash_error, flex_error = (a - c).abs().max().item(), (b - c).abs().max().item()
-        assert flash_error <= 2 * flex_error, (name, flash_error, flex_error)
+        assert flash_error <= bound * flex_error, (name, flash_error, flex_error, bound)
 
 
 def _forest_of(sequences, device):
