@@ -38,6 +38,7 @@ Usage (writes the table into docs/benchmarks.md when --write is given):
 """
 
 import argparse
+import shlex
 import statistics
 import sys
 
@@ -238,7 +239,7 @@ def main():
             bench_forest(name, sequences, args.heads, args.head_dim, args.repeats, args.rounds)
         )
         print(rows[-1], flush=True)
-    section = markdown(rows, "python " + " ".join(sys.argv))
+    section = markdown(rows, "python " + shlex.join(sys.argv))
     print(section)
     if args.write:
         write_section(args.write, section)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 import numpy as np
@@ -151,7 +152,7 @@ def main() -> None:
                 row["per-rank / (H-head / cp)"] = share / (full / cp)
             rows.append(row)
 
-    command = "python tools/bench_context_parallel.py " + " ".join(sys.argv[1:])
+    command = "python tools/bench_context_parallel.py " + shlex.join(sys.argv[1:])
     section = "\n".join(
         [
             "## Context-parallel split (tools/bench_context_parallel.py)",

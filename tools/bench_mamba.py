@@ -35,6 +35,7 @@ Usage (writes the table into docs/benchmarks.md when --write is given):
 """
 
 import argparse
+import shlex
 import sys
 import time
 
@@ -508,7 +509,7 @@ def main():
     for name, sequences in forests:
         rows.append(bench_forest(name, sequences, mixer, args, torch.bfloat16))
         print(rows[-1], flush=True)
-    section = markdown(rows, "python " + " ".join(sys.argv), args, mixer)
+    section = markdown(rows, "python " + shlex.join(sys.argv), args, mixer)
     print(section)
     if args.write:
         write_section(args.write, section)

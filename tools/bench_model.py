@@ -58,6 +58,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -912,7 +913,7 @@ def main():
         first = {"pattern": args.first_step, **first_steps(args.first_step, args)}
         log["first_step"] = first
         save()
-    section = markdown(tables, first, "python " + " ".join(sys.argv), args)
+    section = markdown(tables, first, "python " + shlex.join(sys.argv), args)
     print(section)
     if args.write:
         write_section(args.write, section)
