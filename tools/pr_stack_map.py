@@ -124,14 +124,17 @@ PULL_REQUESTS = (
         "window; tree_scan.py runs one packed scan with seq_idx = segment plus the exact linear "
         "correction C_t . exp(cum_t) h_parent_end for the tokens of every child, parents first. On "
         "CUDA the packed scan is mamba_ssm's Triton kernel and the correction our Triton kernels "
-        "(triton_inherited_state.py, a fixed number of launches per layer); elsewhere torch_ssd.py, "
+        "(triton_inherited_state.py, a fixed number of launches per layer), run with mamba_ssm's "
+        "forward and backward functions in one autograd function that adds the correction into "
+        "the scan's output and its gradients into the scan's; elsewhere torch_ssd.py, "
         "a pure-torch SSD that is also the kernels' oracle. cpu.py makes HybridModel build and "
         "train without CUDA (and registers torch_ssd under mamba_ssm's names when mamba_ssm is "
         "absent); megatron/core/ssm/mamba_mixer.py gains one hook: without CUDA and mamba_ssm it "
         "binds that torch SSD itself, so any import order works. distributed.py sets up the "
-        "one-process world that CPU tests and the single-process trainer use.",
+        "one-process world that CPU tests and the single-process trainer use, and on CUDA pins "
+        "the ptxas that Triton compiles with, so that Triton's cache serves every process.",
         "H200, bf16, hidden 2048, 64 heads (tools/bench_mamba.py --repeats 5): the tree layer takes "
-        "1.09-1.10x the time of a varlen scan over the same packed tokens and is 3.6-6.3x faster "
+        "1.04x the time of a varlen scan over the same packed tokens and is 3.8-6.7x faster "
         "than the dense batch on the three benchmark forests.",
         "The fused training kernel (use_mamba_mem_eff_path) has no per-segment state input, so a "
         "forest always takes the unfused path. Context parallelism (cp_size > 1) is rejected.",
