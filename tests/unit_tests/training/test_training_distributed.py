@@ -47,19 +47,20 @@ def test_pin_triton_ptxas_uses_torchs_ptxas_and_keeps_an_explicit_one(tmp_path, 
     """pin_triton_ptxas points TRITON_PTXAS_PATH at PyTorch's bundled ptxas when it is an
     executable file, keeps a path already set, and leaves the variable unset (Triton's own) when
     PyTorch ships none or a non-executable one."""
-    from megatron.shared_prefix.training import distributed
+    from megatron.shared_prefix.training.distributed import pin_triton_ptxas
 
     ptxas = tmp_path / "bin" / "ptxas"
-    monkeypatch.setattr(distributed, "_torch_ptxas", lambda: ptxas)
+    # The module by its own name: the exported PR stack moves it.
+    monkeypatch.setattr(sys.modules[pin_triton_ptxas.__module__], "_torch_ptxas", lambda: ptxas)
     environ = {}
-    assert distributed.pin_triton_ptxas(environ) is None and environ == {}  # none shipped
+    assert pin_triton_ptxas(environ) is None and environ == {}  # none shipped
     ptxas.parent.mkdir()
     ptxas.write_text("")
     ptxas.chmod(0o644)
-    assert distributed.pin_triton_ptxas(environ) is None and environ == {}  # not executable
+    assert pin_triton_ptxas(environ) is None and environ == {}  # not executable
     ptxas.chmod(0o755)
-    assert distributed.pin_triton_ptxas(environ) == str(ptxas)
+    assert pin_triton_ptxas(environ) == str(ptxas)
     assert environ == {"TRITON_PTXAS_PATH": str(ptxas)}
     explicit = {"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}
-    assert distributed.pin_triton_ptxas(explicit) == "/opt/cuda/bin/ptxas"
+    assert pin_triton_ptxas(explicit) == "/opt/cuda/bin/ptxas"
     assert explicit == {"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}
