@@ -120,8 +120,9 @@ PULL_REQUESTS = (
         "Mamba on prefix forests: tree conv, forked-state scan and TreeMambaMixer",
         "TreeMambaMixer (megatron/core/ssm/shared_prefix/), selected as the Mamba layer spec's "
         "mixer, follows each token's root path: tree_conv.py runs one causal conv over the packed "
-        "row and recomputes the first d_conv - 1 tokens of every segment from their root-path "
-        "window; tree_scan.py runs one packed scan with seq_idx = segment plus the exact linear "
+        "row (on CUDA triton_causal_conv.py, forward and backward with the SiLU fused: "
+        "megatron-core's Triton causal-conv1d kernels are forward-only) and recomputes the first "
+        "d_conv - 1 tokens of every segment from their root-path window; tree_scan.py runs one packed scan with seq_idx = segment plus the exact linear "
         "correction C_t . exp(cum_t) h_parent_end for the tokens of every child, parents first. On "
         "CUDA the packed scan is mamba_ssm's Triton kernel and the correction our Triton kernels "
         "(triton_inherited_state.py, a fixed number of launches per layer), run with mamba_ssm's "

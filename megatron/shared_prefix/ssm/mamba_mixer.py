@@ -17,7 +17,7 @@ install_mamba_ssm_fallback()
 from megatron.core.ssm import mamba_mixer as _core_mixer  # noqa: E402
 from megatron.core.ssm.mamba_mixer import MambaMixer  # noqa: E402
 
-from megatron.shared_prefix.ssm.tree_conv import tree_causal_conv1d  # noqa: E402
+from megatron.shared_prefix.ssm.tree_conv import CONV_BACKENDS, tree_causal_conv1d  # noqa: E402
 from megatron.shared_prefix.ssm.tree_scan import (  # noqa: E402
     TREE_SCAN_BACKENDS,
     packed_chunk_scan,
@@ -44,16 +44,25 @@ class TreeMambaMixer(MambaMixer):
     Args:
         tree_scan_backend: packed-scan backend of the tree scan: "auto" (mamba_ssm's Triton kernel
             for CUDA tensors when it imports, torch otherwise), "torch" or "triton".
+        tree_conv_backend: row conv of the tree conv: "auto" (our Triton conv with a backward for
+            CUDA tensors, PyTorch's conv otherwise), "torch" or "triton" (tree_conv.py).
         Everything else is MambaMixer's.
     """
 
-    def __init__(self, *args, tree_scan_backend: str = "auto", **kwargs):
+    def __init__(
+        self, *args, tree_scan_backend: str = "auto", tree_conv_backend: str = "auto", **kwargs
+    ):
         if tree_scan_backend not in TREE_SCAN_BACKENDS:
             raise ValueError(
                 f"tree_scan_backend must be one of {TREE_SCAN_BACKENDS}, got {tree_scan_backend!r}"
             )
+        if tree_conv_backend not in CONV_BACKENDS:
+            raise ValueError(
+                f"tree_conv_backend must be one of {CONV_BACKENDS}, got {tree_conv_backend!r}"
+            )
         super().__init__(*args, **kwargs)
         self.tree_scan_backend = tree_scan_backend
+        self.tree_conv_backend = tree_conv_backend
 
     def forward(
         self,
@@ -107,7 +116,7 @@ class TreeMambaMixer(MambaMixer):
     def scan_signature(self) -> tuple:
         """What the kernels of this layer's forest path are compiled for, besides the row: its
         per-rank widths (inner, groups, heads, head dim, state), chunk size, conv width and
-        activation, gate, D's shape, scan backend and state dtype. Layers with equal signatures
+        activation, gate, D's shape, scan and conv backends and state dtype. Layers with equal signatures
         run the same kernel variants."""
         return (
             self.cp.d_inner_local_tpcp,
@@ -121,11 +130,12 @@ class TreeMambaMixer(MambaMixer):
             self.rmsnorm,
             self.D_has_hdim,
             self.tree_scan_backend,
+            self.tree_conv_backend,
             str(self.mamba_training_ssm_states_dtype),
         )
 
     def warm_up(self, num_tokens: int, *, dtype: torch.dtype, device) -> None:
-        """Run this layer's forest path between the projections (conv, tree scan, forked states,
+        """Run this layer's forest path between the projections (tree conv, tree scan, forked states,
         gated norm) forward and backward on a random ``num_tokens``-token row, so that every
         kernel variant it needs at that length is compiled. Only the random input's gradient is
         taken: no parameter gradient is written. The row is a prefix tree of depth three
@@ -152,7 +162,12 @@ class TreeMambaMixer(MambaMixer):
 
         weight = self.cp.get_conv1d_weight()  # [conv_dim, 1, w]
         xBC = tree_causal_conv1d(
-            xBC, weight, self.cp.get_conv1d_bias(), forest, activation=self.activation
+            xBC,
+            weight,
+            self.cp.get_conv1d_bias(),
+            forest,
+            activation=self.activation,
+            backend=self.tree_conv_backend,
         )
         x, B, C = xBC.split([inner, groups * state, groups * state], dim=-1)
         x = x.reshape(1, length, heads, self.headdim).contiguous()

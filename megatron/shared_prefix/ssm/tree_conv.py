@@ -8,14 +8,16 @@ it, so the convolution of each packed token equals the dense one.
 
 Implementation (memory O(T * channels)):
 
-1. one ordinary causal conv over the packed row (``F.conv1d`` with ``w - 1`` zeros of left padding,
-   ``groups = channels``), as megatron-core's non-fused path runs it. It is right for every token
+1. one ordinary causal conv over the packed row, activation included. It is right for every token
    whose window lies inside its own segment, i.e. all but the first ``min(w - 1, len)`` tokens of
-   each segment;
+   each segment. Backends: "torch" runs ``F.conv1d`` with ``w - 1`` zeros of left padding and
+   ``groups = channels``, then the activation, as megatron-core's non-fused path does; "triton"
+   runs triton_causal_conv.py (forward and backward, activation fused, no channels-first copies);
+   "auto" takes Triton for CUDA tensors and torch otherwise;
 2. a fix-up of those few tokens: their windows are gathered along the root path
-   (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv is recomputed for them,
-   and written back out of place (``index_put`` without accumulation: each fixed token is written
-   once, so the result and its gradient do not depend on any order).
+   (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv and the activation are
+   recomputed for them, and written back out of place (``index_put`` without accumulation: each
+   fixed token is written once, so the result and its gradient do not depend on any order).
 
 The fix-up touches at most ``S * (w - 1)`` tokens (S segments), a small fraction of the row.
 """
@@ -29,6 +31,8 @@ import torch.nn.functional as F
 from megatron.shared_prefix.tensors import ForestTensors, host_to_device
 
 ACTIVATIONS = (None, "silu", "swish")
+CONV_BACKENDS = ("auto", "torch", "triton")
+CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the Triton row conv's
 
 
 def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +61,7 @@ def tree_causal_conv1d(
     bias: Optional[torch.Tensor],
     forest: ForestTensors,
     activation: Optional[str] = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Depthwise causal convolution of every packed token over its root-path window.
 
@@ -66,13 +71,18 @@ def tree_causal_conv1d(
         bias: [d] or None.
         forest: the row's metadata; T must equal ``forest.num_tokens``.
         activation: None, "silu" or "swish" (applied after the bias).
+        backend: the row conv's, "auto", "torch" or "triton" (the module docstring). "triton" also
+            runs CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1), for tests.
 
     Returns:
         [1, T, d] in x's dtype: ``act(bias + sum_k weight[:, k] * x[token w-1-k steps back on the
-        root path])``. The fix-up is computed in float32 (float64 for float64 inputs).
+        root path])``. The Triton row conv and the fix-up compute in float32 (the fix-up in float64
+        for float64 inputs) and round once.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if backend not in CONV_BACKENDS:
+        raise ValueError(f"backend must be one of {CONV_BACKENDS}, got {backend!r}")
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != forest.num_tokens:
         raise ValueError(
             f"tree_causal_conv1d expects x of shape [1, T={forest.num_tokens}, d], "
@@ -88,10 +98,20 @@ def tree_causal_conv1d(
     width, length = weight.shape[1], x.shape[1]
 
     # 1. The ordinary causal conv of the packed row: right wherever the window stays in-segment.
-    out = F.conv1d(
-        x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=channels
-    )[..., :length]
-    out = out.transpose(1, 2)[0]  # [T, d]
+    triton = backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in CONV_DTYPES)
+    if triton:
+        # pylint: disable-next=import-outside-toplevel
+        from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
+
+        rows = x[0] if x.stride(2) == 1 else x[0].contiguous()
+        out = row_causal_conv1d(rows, weight, bias, silu=activation is not None)  # [T, d]
+    else:
+        out = F.conv1d(
+            x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=channels
+        )[..., :length]
+        out = out.transpose(1, 2)[0]  # [T, d]
+        if activation is not None:
+            out = F.silu(out)
 
     # 2. Recompute the first min(w - 1, len) tokens of every segment from their root-path windows.
     if width > 1:
@@ -102,8 +122,9 @@ def tree_causal_conv1d(
         fixed = torch.einsum("fkd,dk->fd", gathered.to(compute), weight.to(compute))
         if bias is not None:
             fixed = fixed + bias.to(compute)
-        out = out.index_put((tokens,), fixed.to(out.dtype))
-
-    if activation is not None:
-        out = F.silu(out)
+        if activation is not None:
+            fixed = F.silu(fixed)
+        # The Triton conv keeps nothing of its output for backward, so write into it in place.
+        put = out.index_put_ if triton else out.index_put
+        out = put((tokens,), fixed.to(out.dtype))
     return out.unsqueeze(0)

@@ -206,9 +206,30 @@ ENTRIES = [
         kind="pure PyTorch",
         training_path=True,
         notes=(
-            "F.conv1d over the packed row plus root-path window gathers for segment heads, written "
-            "back with a non-accumulating index_put; the gather's backward accumulates into parent "
-            "tails (bit-reproducible on CUDA only in deterministic mode)."
+            "The row conv (F.conv1d and SiLU, or on CUDA the Triton row conv, entry "
+            "row_causal_conv1d) plus root-path window gathers for segment heads, written back with "
+            "a non-accumulating index_put; the gather's backward accumulates into parent tails "
+            "(bit-reproducible on CUDA only in deterministic mode). GPU replay with both row convs."
+        ),
+    ),
+    KernelEntry(
+        name="row_causal_conv1d",
+        sources=("megatron/shared_prefix/ssm/triton_causal_conv.py",),
+        tests=(
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_conv_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+            "tests/unit_tests/ssm/test_triton_causal_conv.py",
+        ),
+        kind="triton",
+        training_path=True,
+        notes=(
+            "Causal depthwise conv1d of the packed row with the SiLU fused, forward and backward "
+            "(the tree conv's row conv on CUDA). Every output and input-gradient element is "
+            "written by one program; the weight and bias gradients are per-program float32 "
+            "partial sums over fixed token ranges, added by torch.sum over the programs; no "
+            "atomics. GPU replay on a depth-3 row and a 4300-token star (several backward "
+            "programs); on CPU the interpreted kernels are checked against float64 F.conv1d and "
+            "the sequential oracle (tests/unit_tests/ssm)."
         ),
     ),
     KernelEntry(

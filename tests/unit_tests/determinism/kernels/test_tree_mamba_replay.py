@@ -1,7 +1,8 @@
 """Bitwise replay of the tree Mamba ops (ssm/tree_conv.py, ssm/tree_scan.py, ssm/mamba_mixer.py).
 
 Kernel-determinism coverage (tests/unit_tests/determinism/kernels/manifest.py, docs/determinism.md):
-the tree conv (F.conv1d, gathers along root paths, an out-of-place index_put), the tree scan (the
+the tree conv (the row conv, F.conv1d or on CUDA the Triton conv of ssm/triton_causal_conv.py;
+gathers along root paths; an index_put without accumulation), the tree scan (the
 packed chunk scan — torch_ssd on CPU, mamba_ssm's Triton kernel on CUDA, through its forward and
 backward functions with the Triton forked-state kernels in one autograd function — a float64
 cumulative sum, the forked-state correction)
@@ -24,16 +25,11 @@ from megatron.shared_prefix.tensors import ForestTensors, forest_scope
 
 from ..replay import assert_bitwise_replay
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 HEADS, HEADDIM, GROUPS, STATE, WIDTH, CHUNK = 4, 8, 2, 8, 4, 16
 
 
@@ -69,9 +65,17 @@ def _param(*shape, device, scale=1.0, shift=0.0):
     return (torch.randn(*shape, device=device) * scale + shift).requires_grad_()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_tree_conv_replay(device):
-    forest = replay_forest(device)
+@pytest.mark.parametrize(
+    "device, backend",
+    [
+        ("cpu", "torch"),
+        pytest.param("cuda", "torch", marks=GPU, id="cuda-torch"),
+        pytest.param("cuda", "triton", marks=GPU, id="cuda-triton"),
+    ],
+)
+@pytest.mark.parametrize("row", sorted(FORESTS))
+def test_tree_conv_replay(device, backend, row):
+    forest = FORESTS[row](device)
     channels = HEADS * HEADDIM + 2 * GROUPS * STATE
 
     def make_inputs():
@@ -82,7 +86,9 @@ def test_tree_conv_replay(device):
         )
 
     def fn(x, weight, bias):
-        return tree_causal_conv1d(x, weight, bias, fresh(forest), activation="silu")
+        return tree_causal_conv1d(
+            x, weight, bias, fresh(forest), activation="silu", backend=backend
+        )
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
 

@@ -192,6 +192,8 @@ def test_rejects_what_a_forest_cannot_honour_before_compute(megatron_world, kwar
 def test_rejects_unknown_backend(megatron_world):
     with pytest.raises(ValueError, match="tree_scan_backend"):
         build_mixer(mixer_kwargs=dict(tree_scan_backend="cuda"))
+    with pytest.raises(ValueError, match="tree_conv_backend"):
+        build_mixer(mixer_kwargs=dict(tree_conv_backend="cudnn"))
 
 
 MODEL_CASES = [
@@ -261,8 +263,8 @@ def test_bf16_mixer_on_cuda_is_as_close_to_float32_as_dense(
 ):
     """The bf16 tree mixer (mamba_ssm's Triton scan when it imports) against the bf16 dense mixer.
 
-    Reference: the float32 tree mixer with the torch scan (equal to dense float32 runs, tested on CPU
-    above). The bf16 tree output and gradients may differ from it by at most twice the bf16 dense
+    Reference: the float32 tree mixer with the torch scan and conv (equal to dense float32 runs,
+    tested on CPU above). The bf16 tree output and gradients may differ from it by at most twice the bf16 dense
     mixer's own difference (plus a 2^-8 floor): the fork adds no error of bf16's order. The dense runs
     take the unfused path unless causal-conv1d (which the fused kernel needs) is installed.
     """
@@ -280,7 +282,7 @@ def test_bf16_mixer_on_cuda_is_as_close_to_float32_as_dense(
         seed=5,
         device="cuda",
         chunk_size=64,
-        mixer_kwargs=dict(mixer_kwargs, tree_scan_backend="torch"),
+        mixer_kwargs=dict(mixer_kwargs, tree_scan_backend="torch", tree_conv_backend="torch"),
         **config,
     )
     mixer = build_mixer(seed=5, device="cuda", chunk_size=64, mixer_kwargs=mixer_kwargs, **config)

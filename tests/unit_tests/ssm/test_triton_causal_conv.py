@@ -1,0 +1,174 @@
+"""Triton causal conv1d of a packed row (ssm/triton_causal_conv.py) and the tree conv that runs it.
+
+* Row conv against a float64 ``F.conv1d`` (left zero padding, ``groups = channels``) and SiLU on
+  the same inputs: output and the gradients of x, weight and bias, on strided token-major inputs
+  (a slice of a wider tensor, as Mamba's xBC is of the projection), widths 2-5 (5: taps padded to a
+  power of two), with and without bias and SiLU, row lengths that are not multiples of the blocks.
+* Tree conv with ``backend="triton"`` against the sequential oracle
+  (``reference.tree_causal_conv1d_sequential``) on a forest whose windows cross segment boundaries.
+* CPU: Triton's interpreter (TRITON_INTERPRET=1 must be set before triton compiles anything, hence
+  a subprocess running this file), float32: the bound is float32 rounding.
+* GPU (marked ``gpu``): compiled kernels, float32 and bf16, against the torch backend's tree conv.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.shared_prefix.planning import plan_shared_prefix
+from megatron.shared_prefix.ssm import reference
+from megatron.shared_prefix.ssm.tree_conv import tree_causal_conv1d
+from megatron.shared_prefix.ssm.triton_causal_conv import BLOCK_T, TILES_PER_PROGRAM
+from megatron.shared_prefix.tensors import ForestTensors
+
+FP32_TOLERANCE = 1e-6
+# (tokens, channels, width, silu, bias): one backward program's tokens and more, channel tails.
+ROW_CASES = [
+    (BLOCK_T * TILES_PER_PROGRAM + 45, 37, 4, True, True),
+    (300, 130, 4, False, True),
+    (5, 9, 3, True, False),
+    (64, 16, 2, True, True),
+    (50, 20, 5, False, False),
+]
+
+
+def rel_err(actual, expected):
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+def dense_conv(x, weight, bias, silu):
+    """[T, C] -> [T, C]: PyTorch's causal depthwise conv of one row, then SiLU."""
+    tokens, channels = x.shape
+    out = F.conv1d(x.T[None], weight[:, None], bias, padding=weight.shape[1] - 1, groups=channels)
+    out = out[0, :, :tokens].T
+    return F.silu(out) if silu else out
+
+
+def row_errors(tokens, channels, width, silu, bias, device, dtype):
+    """Relative errors of the Triton row conv (output, dx, dweight[, dbias]) against float64."""
+    from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
+
+    generator = torch.Generator().manual_seed(tokens * 31 + width)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    x = rand(tokens, channels + 7)[:, 3 : 3 + channels].requires_grad_()  # token stride C + 7
+    weight = rand(channels, width).requires_grad_()
+    conv_bias = rand(channels).requires_grad_() if bias else None
+    leaves = [t for t in (x, weight, conv_bias) if t is not None]
+    probe = rand(tokens, channels)
+    out = row_causal_conv1d(x, weight, conv_bias, silu)
+    assert out.shape == (tokens, channels) and out.dtype == dtype and out.is_contiguous()
+    grads = torch.autograd.grad((out.float() * probe.float()).sum(), leaves)
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    expected = dense_conv(exact[0], exact[1], exact[2] if bias else None, silu)
+    expected_grads = torch.autograd.grad((expected * probe.double()).sum(), exact)
+    return [rel_err(out, expected)] + [rel_err(a, e) for a, e in zip(grads, expected_grads)]
+
+
+def crossing_forest(device):
+    """Depth 3: one-token and two-token segments (windows reaching into the grandparent), a long
+    root, a second root, and padding."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 50, 90).tolist()
+    sequences = [prompt + rng.integers(1, 50, n).tolist() for n in (1, 2, 70)]
+    sequences += [prompt + [7] + rng.integers(1, 50, n).tolist() for n in (1, 40)]
+    sequences += [prompt[:10] + [3], [5, 6]]
+    layout = plan_shared_prefix(sequences, capacity=1024, pad_multiple=8).rows[0]
+    return layout, ForestTensors.from_layout(layout, device)
+
+
+def tree_errors(device, dtype, expected_backend):
+    """Relative errors of the tree conv on the Triton backend against ``expected_backend``
+    ("oracle": the float64 sequential reference; "torch": the torch backend, same dtype)."""
+    layout, forest = crossing_forest(device)
+    generator = torch.Generator().manual_seed(5)
+    channels, width = 24, 4
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    x = rand(1, layout.num_tokens, channels + 5)[..., 2 : 2 + channels].requires_grad_()
+    weight, bias = rand(channels, 1, width).requires_grad_(), rand(channels).requires_grad_()
+    probe = rand(1, layout.num_tokens, channels).float()
+    out = tree_causal_conv1d(x, weight, bias, forest, "silu", backend="triton")
+    grads = torch.autograd.grad((out.float() * probe).sum(), (x, weight, bias))
+    if expected_backend == "oracle":
+        leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+        expected = reference.tree_causal_conv1d_sequential(
+            leaves[0], leaves[1].reshape(channels, width), leaves[2], layout, "silu"
+        )
+        probe = probe.double()
+    else:
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+        expected = tree_causal_conv1d(*leaves, forest, "silu", backend="torch")
+    expected_grads = torch.autograd.grad((expected.to(probe.dtype) * probe).sum(), leaves)
+    return [rel_err(out, expected)] + [rel_err(a, e) for a, e in zip(grads, expected_grads)]
+
+
+def interpreted_checks():
+    """Run in the TRITON_INTERPRET=1 subprocess: every row case and the tree conv, float32."""
+    for case in ROW_CASES:
+        errors = row_errors(*case, "cpu", torch.float32)
+        assert max(errors) <= FP32_TOLERANCE, (case, errors)
+    errors = tree_errors("cpu", torch.float32, "oracle")
+    assert max(errors) <= FP32_TOLERANCE, errors
+    print("interpreted row and tree conv within", FP32_TOLERANCE)
+
+
+def test_interpreted_kernels_match_dense_conv_and_oracle():
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, __file__],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "interpreted row and tree conv within" in result.stdout
+
+
+def test_rejects_bad_inputs_before_launching():
+    from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
+
+    x, weight = torch.randn(8, 6), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="unit channel stride"):
+        row_causal_conv1d(x.T, weight)
+    with pytest.raises(ValueError, match="weight must be"):
+        row_causal_conv1d(x, weight[1:])
+    with pytest.raises(ValueError, match="bias must be"):
+        row_causal_conv1d(x, weight, torch.randn(5))
+    with pytest.raises(ValueError, match="dtype"):
+        row_causal_conv1d(x.double(), weight.double())
+    _, forest = crossing_forest("cpu")
+    with pytest.raises(ValueError, match="backend"):
+        tree_causal_conv1d(torch.randn(1, forest.num_tokens, 6), weight, None, forest, None, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+def test_compiled_kernels_match_torch_backend(dtype, tolerance):
+    """On CUDA the Triton tree conv equals the torch backend's to rounding (bf16: a few output
+    roundings: the torch backend rounds the conv before the SiLU, Triton once after it), and the
+    row conv equals float64 PyTorch."""
+    errors = tree_errors("cuda", dtype, "torch")
+    assert max(errors) <= tolerance, errors
+    for case in ROW_CASES:
+        errors = row_errors(*case, "cuda", dtype)
+        assert max(errors) <= tolerance, (case, errors)
+
+
+if __name__ == "__main__":  # run by test_interpreted_kernels_match_dense_conv_and_oracle
+    interpreted_checks()
