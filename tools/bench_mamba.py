@@ -12,6 +12,8 @@ bf16, hidden 2048 by default, head dim 64, state 128, 8 groups), in one process 
 * tree: TreeMambaMixer on the forest (each unique token once; conv windows and SSM state forked);
 * varlen, tree tokens: the same packed row with every segment an independent root: the cost of the
   same number of tokens without the fork. Target: tree within 15% of it;
+* dense varlen and tree again with the tree conv's row conv on PyTorch's F.conv1d and SiLU
+  (``tree_conv_backend="torch"``) instead of the Triton row conv (ssm/triton_causal_conv.py);
 * level-wise fork: the alternative tree_scan.py did not choose: for every depth a batch of that
   depth's segments padded to the longest, scanned with ``initial_states`` = the parent's end state
   and
@@ -27,11 +29,17 @@ index tables (built once per row, shared by every layer).
 The dense runs take megatron's fused path (``use_mamba_mem_eff_path``) when causal-conv1d imports,
 its unfused path (F.conv1d + mamba_ssm's chunk scan) otherwise; the table says which.
 
+``--conv`` times the tree conv alone (conv + SiLU, bf16, the mixer's conv width and channels) on
+the tree row and the dense varlen row of each forest: PyTorch's F.conv1d, the Triton row conv, and
+megatron-core 0.19.2's Triton ``causal_conv1d_varlen_fn`` (forward only: it has no backward; on the
+tree row with the segments as its sequences and the parents' tails as their initial states).
+
 Usage (writes the table into docs/benchmarks.md when --write is given):
     python tools/bench_mamba.py [--hidden 2048] [--repeats 10] [--write docs/benchmarks.md]
     python tools/bench_mamba.py --check [--device cpu]   # tiny run: all variants agree, then exit
     python tools/bench_mamba.py --profile                # top CUDA kernels: tree vs same-token
     varlen
+    python tools/bench_mamba.py --conv [--write docs/benchmarks.md]  # the conv alone, three ways
 """
 
 import argparse
@@ -291,7 +299,7 @@ def forward_backward(mixer, forward, hidden):
 
 
 def variants(mixer, sequences, dtype, device):
-    """name -> (run closure, tokens) for the five variants, plus the tree's layout and table time."""
+    """name -> (run closure, tokens) for the seven variants, plus the tree's layout and table time."""
     hidden_size = mixer.d_model
     lengths = [len(s) for s in sequences]
     plan = plan_shared_prefix(sequences, capacity=sum(lengths), pad_multiple=1)
@@ -324,6 +332,20 @@ def variants(mixer, sequences, dtype, device):
         _fixup_windows(table_forest, mixer.d_conv)
     levelwise = LevelwiseFork(mixer, layout, forest)
     longest = max(lengths)
+
+    def torch_conv(run):
+        """``run`` with the tree conv's row conv on PyTorch's F.conv1d (the default on CUDA is
+        the Triton conv of triton_causal_conv.py)."""
+
+        def wrapped():
+            previous, mixer.tree_conv_backend = mixer.tree_conv_backend, "torch"
+            try:
+                return run()
+            finally:
+                mixer.tree_conv_backend = previous
+
+        return wrapped
+
     runs = {
         "dense": (
             forward_backward(mixer, lambda s: mixer(s)[0], hidden(longest, len(sequences))),
@@ -339,6 +361,14 @@ def variants(mixer, sequences, dtype, device):
         ),
         "varlen, tree tokens": (
             forward_backward(mixer, in_forest(same_tokens), hidden(layout.num_tokens, 1)),
+            layout.num_tokens,
+        ),
+        "dense varlen, torch conv": (
+            torch_conv(forward_backward(mixer, in_forest(expanded), hidden(sum(lengths), 1))),
+            sum(lengths),
+        ),
+        "tree, torch conv": (
+            torch_conv(forward_backward(mixer, in_forest(forest), hidden(layout.num_tokens, 1))),
             layout.num_tokens,
         ),
         "level-wise fork": (
@@ -373,6 +403,8 @@ def bench_forest(name, sequences, mixer, args, dtype):
             "speedup vs dense varlen": ms["dense varlen"] / ms["tree"],
             "tree / ideal": (ms["dense varlen"] / ms["tree"]) / ideal,
             "tree / varlen": ms["tree"] / ms["varlen, tree tokens"],
+            "tree / ideal, torch conv": (ms["dense varlen, torch conv"] / ms["tree, torch conv"])
+            / ideal,
             "tables ms (once per row)": tables_ms,
         }
     )
@@ -392,7 +424,9 @@ def markdown(rows, command, args, mixer):
         f"ms: GPU time, median of {args.repeats} runs queued back to back; GiB: peak memory above "
         "the inputs. Token ratio = logical / tree tokens; tree / ideal = (dense varlen / tree "
         "time) / token ratio; tree / varlen = tree time over the same packed tokens without the "
-        "fork (target <= 1.15).",
+        "fork (target <= 1.15). The forest runs (dense varlen, tree, varlen tree tokens) use the "
+        "Triton row conv (ssm/triton_causal_conv.py); *torch conv*: the same runs with PyTorch's "
+        "F.conv1d and SiLU (`tree_conv_backend=\"torch\"`).",
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"
@@ -465,6 +499,133 @@ def profile(mixer):
                 )
 
 
+def bench_forests():
+    """(name, sequences) of the benchmark's forests."""
+    skewed = [int(round(64 * 32 ** (i / 15))) for i in range(16)]  # 64 .. 2048, geometric
+    return [
+        ("star P=4096 C=1024 G=16", star(4096, [1024] * 16)),
+        ("skewed star P=4096 C=64..2048 G=16", star(4096, skewed)),
+        ("agent depth 3: P=2048, 4 x 512, 4 x 512", agent_tree(2048, 512, 4, 4)),
+    ]
+
+
+CONV_SECTION = "Tree Mamba conv (tools/bench_mamba.py --conv)"
+
+
+def megatron_varlen_conv(forest, width):
+    """A closure ``(x [T, C], weight [C, w], bias [C]) -> [T, C]``: the tree conv + SiLU through
+    megatron-core's forward-only Triton ``causal_conv1d_varlen_fn``, with every segment one of its
+    sequences and the ``w - 1`` tokens before the segment on its root path (zeros past the root)
+    its initial conv state; None when megatron-core does not ship the kernel."""
+    try:
+        # pylint: disable-next=import-outside-toplevel
+        from megatron.core.ssm.ops.causal_conv1d_varlen import causal_conv1d_varlen_fn
+    except ImportError:
+        return None
+    layout = forest.layout
+    starts = layout.segment_starts.astype(np.int64)
+    cu_seqlens = torch.tensor(
+        np.append(starts, forest.num_tokens), dtype=torch.int32, device=forest.device
+    )
+    before = forest.host_root_path_predecessors(width - 1)[starts][:, ::-1].copy()  # oldest first
+    before = torch.as_tensor(before, device=forest.device)
+
+    def run(x, weight, bias):
+        states = x[before.clamp(min=0)] * (before >= 0).unsqueeze(-1)  # [S, w - 1, C]
+        return causal_conv1d_varlen_fn(
+            x.contiguous(),
+            weight,
+            bias,
+            cu_seqlens,
+            states.transpose(1, 2).contiguous(),  # its kernel reads the taps at unit stride
+            activation="silu",
+        )
+
+    return run
+
+
+def conv_comparison(mixer, args):
+    """Rows of the ``--conv`` table: forward and forward+backward ms of the three convs."""
+    from megatron.shared_prefix.ssm.tree_conv import (  # pylint: disable=import-outside-toplevel
+        tree_causal_conv1d,
+    )
+
+    channels, width = mixer.conv1d_weight.shape[0], mixer.d_conv
+    projected = mixer.in_proj.weight.shape[0]  # xBC is a strided slice of the projection
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = (
+        torch.randn(channels, width, device="cuda", generator=generator) / width
+    ).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(channels, device="cuda", generator=generator).to(torch.bfloat16)
+    bias.requires_grad_()
+    rows = []
+    for name, sequences in bench_forests():
+        layout = plan_shared_prefix(
+            sequences, capacity=sum(map(len, sequences)), pad_multiple=1
+        ).rows[0]
+        for label, row in (("tree", layout), ("dense varlen", flat_layout([len(s) for s in sequences]))):
+            forest = ForestTensors.from_layout(row, "cuda")
+            _fixup_windows(forest, width)
+            wide = torch.randn(
+                forest.num_tokens, projected, device="cuda", generator=generator
+            ).to(torch.bfloat16)
+            x = wide[:, :channels].requires_grad_()
+            probe = torch.randn(forest.num_tokens, channels, device="cuda", generator=generator)
+            probe = probe.to(torch.bfloat16)
+            record = {"forest": name, "row": label, "tokens": forest.num_tokens}
+            outputs = {}
+            for backend in ("torch", "triton"):
+
+                def forward(backend=backend, forest=forest, x=x):
+                    return tree_causal_conv1d(
+                        x[None], weight, bias, forest, "silu", backend=backend
+                    )[0]
+
+                def forward_backward_conv(forward=forward):
+                    forward().backward(probe)
+
+                outputs[backend] = forward().detach()
+                with torch.no_grad():
+                    record[f"{backend} forward ms"] = cuda_time_ms(forward, args.repeats)
+                record[f"{backend} forward+backward ms"] = cuda_time_ms(
+                    forward_backward_conv, args.repeats
+                )
+            varlen = megatron_varlen_conv(forest, width)
+            if varlen is not None:
+                with torch.no_grad():
+                    outputs["megatron-core"] = varlen(x.detach(), weight.detach(), bias.detach())
+                    record["megatron-core varlen forward ms"] = cuda_time_ms(
+                        lambda: varlen(x.detach(), weight.detach(), bias.detach()), args.repeats
+                    )
+            reference = outputs.pop("torch").float()
+            for key, value in outputs.items():
+                error = (value.float() - reference).abs().max() / reference.abs().max()
+                record[f"{key} vs torch max rel. diff"] = f"{float(error):.1e}"
+            rows.append(record)
+            print(record, flush=True)
+    return rows
+
+
+def conv_markdown(rows, command, args, mixer):
+    lines = [
+        f"## {CONV_SECTION}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Device: {torch.cuda.get_device_name()}; the tree conv of one Mamba mixer alone (hidden "
+        f"{args.hidden}: {mixer.conv1d_weight.shape[0]} channels, width {mixer.d_conv}, SiLU, bf16; "
+        "input a strided slice of a projection-wide tensor, as Mamba's xBC is). ms: GPU time, "
+        f"median of {args.repeats} runs queued back to back. torch: F.conv1d over the row, then "
+        "the SiLU; triton: the Triton row conv with the SiLU fused (ssm/triton_causal_conv.py); "
+        "both recompute the first w - 1 tokens of each segment from their root-path windows. "
+        "megatron-core varlen: megatron-core 0.19.2's `causal_conv1d_varlen_fn` (forward only, no "
+        "backward: training cannot use it), every segment one of its sequences with the parent's "
+        "tail as its initial state. max rel. diff: max |a - torch| / max |torch| of the outputs.",
+        "",
+    ]
+    return "\n".join(lines + markdown_table(rows)) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -480,6 +641,11 @@ def main():
         "--check", action="store_true", help="tiny correctness run of every variant, then exit"
     )
     parser.add_argument("--write", help="markdown file whose section to replace with the results")
+    parser.add_argument(
+        "--conv",
+        action="store_true",
+        help="time the tree conv alone: PyTorch, the Triton row conv, megatron-core's varlen kernel",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -499,14 +665,16 @@ def main():
     if args.profile:
         profile(mixer)
         return
-    skewed = [int(round(64 * 32 ** (i / 15))) for i in range(16)]  # 64 .. 2048, geometric
-    forests = [
-        ("star P=4096 C=1024 G=16", star(4096, [1024] * 16)),
-        ("skewed star P=4096 C=64..2048 G=16", star(4096, skewed)),
-        ("agent depth 3: P=2048, 4 x 512, 4 x 512", agent_tree(2048, 512, 4, 4)),
-    ]
+    if args.conv:
+        section = conv_markdown(
+            conv_comparison(mixer, args), "python " + shlex.join(sys.argv), args, mixer
+        )
+        print(section)
+        if args.write:
+            write_section(args.write, section)
+        return
     rows = []
-    for name, sequences in forests:
+    for name, sequences in bench_forests():
         rows.append(bench_forest(name, sequences, mixer, args, torch.bfloat16))
         print(rows[-1], flush=True)
     section = markdown(rows, "python " + shlex.join(sys.argv), args, mixer)
