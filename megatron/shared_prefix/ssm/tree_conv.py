@@ -13,7 +13,8 @@ Implementation (memory O(T * channels)):
    each segment. Backends: "torch" runs ``F.conv1d`` with ``w - 1`` zeros of left padding and
    ``groups = channels``, then the activation, as megatron-core's non-fused path does; "triton"
    runs triton_causal_conv.py (forward and backward, activation fused, no channels-first copies);
-   "auto" takes Triton for CUDA tensors and torch otherwise;
+   "auto" takes Triton for CUDA tensors (unless a row is too long for its int32 offsets: over
+   about 2^31 / d_proj tokens) and torch otherwise;
 2. a fix-up of those few tokens: their windows are gathered along the root path
    (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv and the activation are
    recomputed for them, and written back out of place (``index_put`` without accumulation: each
@@ -53,6 +54,20 @@ def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, tor
         return host_to_device(tokens, forest.device), host_to_device(windows, forest.device)
 
     return forest.derive(("tree_conv_fixup", width), build)
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    """Whether ``backend`` runs the row conv of x [1, T, d] on the Triton kernel: "auto" does for
+    CUDA tensors of the kernel's dtypes whose offsets fit its int32 arithmetic."""
+    if backend != "auto":
+        return backend == "triton"
+    if not x.is_cuda or x.dtype not in CONV_DTYPES:
+        return False
+    # pylint: disable-next=import-outside-toplevel
+    from megatron.shared_prefix.ssm.triton_causal_conv import offsets_fit
+
+    token_stride = x.stride(1) if x.stride(2) == 1 else x.shape[2]  # else a contiguous copy runs
+    return offsets_fit(x.shape[1], token_stride, x.shape[2])
 
 
 def tree_causal_conv1d(
@@ -98,7 +113,7 @@ def tree_causal_conv1d(
     width, length = weight.shape[1], x.shape[1]
 
     # 1. The ordinary causal conv of the packed row: right wherever the window stays in-segment.
-    triton = backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in CONV_DTYPES)
+    triton = _use_triton(x, backend)
     if triton:
         # pylint: disable-next=import-outside-toplevel
         from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d

@@ -34,6 +34,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_T = 32  # tokens per tile
 BLOCK_C = 128  # channels per tile
 TILES_PER_PROGRAM = 8  # token tiles one backward program walks (fewer weight partial sums)
+MAX_OFFSET = 2**31 - 1  # the kernels compute element offsets in int32
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -180,11 +181,22 @@ def _conv_backward_kernel(
     tl.store(base + WIDTH, bias_sums, mask=col_mask)
 
 
+def offsets_fit(num_tokens: int, token_stride: int, channels: int) -> bool:
+    """Whether the kernels' int32 offsets reach every element of a [T, C] row whose tokens are
+    ``token_stride`` elements apart (and of the contiguous [T, C] outputs and gradients)."""
+    return (num_tokens - 1) * max(token_stride, channels) + channels <= MAX_OFFSET
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(
             f"x must be [T, C] with unit channel stride, got shape {tuple(x.shape)} and strides "
             f"{x.stride()}"
+        )
+    if not offsets_fit(x.shape[0], x.stride(0), x.shape[1]):
+        raise ValueError(
+            f"a row of {x.shape[0]} tokens {x.stride(0)} elements apart is too long for the Triton "
+            "row conv's int32 offsets; run the tree conv with backend='torch'"
         )
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x dtype must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
@@ -197,7 +209,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> None:
 class RowCausalConv(torch.autograd.Function):
     """``act(causal depthwise conv)`` of a packed row (the module docstring has the math).
 
-    Args (``apply``): x [T, C] (any token stride, unit channel stride), weight [C, w], bias [C] or None, silu (bool). Returns [T, C] contiguous in x's dtype.
+    Args (``apply``): x [T, C] (any token stride, unit channel stride), weight [C, w], bias [C]
+    or None, silu (bool). Returns [T, C] contiguous in x's dtype.
     """
 
     @staticmethod
@@ -219,7 +232,7 @@ class RowCausalConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # pylint: disable=arguments-differ
         x, weight, bias = ctx.saved_tensors
-        if grad.stride(1) != 1:
+        if grad.stride(1) != 1 or not offsets_fit(*grad.shape[:1], grad.stride(0), grad.shape[1]):
             grad = grad.contiguous()
         num_tokens, channels = x.shape
         width = weight.shape[1]

@@ -154,6 +154,36 @@ def test_rejects_bad_inputs_before_launching():
         tree_causal_conv1d(torch.randn(1, forest.num_tokens, 6), weight, None, forest, None, "cuda")
 
 
+def test_rows_past_int32_offsets_are_refused_or_left_to_torch():
+    """The kernels index in int32: the largest offset of a [T, C] row (T - 1) * stride + C - 1
+    must fit. Such rows are refused by the kernel, and "auto" leaves them to PyTorch's conv."""
+    from megatron.shared_prefix.ssm import tree_conv
+    from megatron.shared_prefix.ssm.triton_causal_conv import MAX_OFFSET, offsets_fit
+
+    stride, channels = 10304, 6144  # hidden 2048: the projection's width and xBC's channels
+    longest = (MAX_OFFSET - channels) // stride + 1
+    assert offsets_fit(longest, stride, channels)
+    assert not offsets_fit(longest + 1, stride, channels)
+    assert offsets_fit(MAX_OFFSET // channels, 1, channels)  # contiguous outputs use C
+
+    class Row:  # the attributes _use_triton reads of a CUDA tensor, without allocating one
+        is_cuda, dtype, shape = True, torch.bfloat16, (1, longest, channels)
+
+        def stride(self, dim):
+            return (longest * stride, stride, 1)[dim]
+
+    row = Row()
+    assert tree_conv._use_triton(row, "auto")
+    row.shape = (1, longest + 1, channels)
+    assert not tree_conv._use_triton(row, "auto")
+    assert tree_conv._use_triton(row, "triton") and not tree_conv._use_triton(row, "torch")
+    with pytest.raises(ValueError, match="int32 offsets"):
+        from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
+
+        x = torch.empty_strided((longest + 1, channels), (stride, 1), device="meta")
+        row_causal_conv1d(x, torch.empty(channels, 4, device="meta"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(

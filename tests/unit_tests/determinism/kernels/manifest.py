@@ -202,6 +202,7 @@ ENTRIES = [
         tests=(
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_conv_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+            "tests/unit_tests/ssm/test_triton_causal_conv.py",
         ),
         kind="pure PyTorch",
         training_path=True,
