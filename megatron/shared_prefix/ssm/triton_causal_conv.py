@@ -37,6 +37,43 @@ TILES_PER_PROGRAM = 8  # token tiles one backward program walks (fewer weight pa
 MAX_OFFSET = 2**31 - 1  # the kernels compute element offsets in int32
 
 
+@triton.jit
+def _load_tap_input(x_ptr, rows, cols, col_mask, num_tokens, stride_x, WIDTH: tl.constexpr, k):
+    """[BLOCK_T, BLOCK_C] float32 input that tap ``k`` multiplies for the outputs at ``rows``:
+    x[rows - (WIDTH - 1) + k], zero outside the row."""
+    source = rows - (WIDTH - 1) + k
+    mask = ((source >= 0) & (source < num_tokens))[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + source[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _pre_activation(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    rows,
+    cols,
+    col_mask,
+    num_tokens,
+    stride_x,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """[BLOCK_T, BLOCK_C] float32 ``bias + sum_k weight[:, k] * x[rows - (WIDTH-1) + k]``: the
+    bias first, then the taps in order (forward and backward add in the same order)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    for k in tl.static_range(WIDTH):
+        x = _load_tap_input(x_ptr, rows, cols, col_mask, num_tokens, stride_x, WIDTH, k)
+        tap = tl.load(weight_ptr + cols * WIDTH + k, mask=col_mask, other=0.0).to(tl.float32)
+        acc += x * tap[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _conv_forward_kernel(
     x_ptr,
@@ -55,15 +92,10 @@ def _conv_forward_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < channels
-    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    for k in tl.static_range(WIDTH):
-        source = rows - (WIDTH - 1) + k
-        mask = ((source >= 0) & (source < num_tokens))[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + source[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        tap = tl.load(weight_ptr + cols * WIDTH + k, mask=col_mask, other=0.0).to(tl.float32)
-        acc += x.to(tl.float32) * tap[None, :]
+    acc = _pre_activation(
+        x_ptr, weight_ptr, bias_ptr, rows, cols, col_mask, num_tokens, stride_x,
+        WIDTH, HAS_BIAS, BLOCK_T, BLOCK_C,
+    )  # fmt: skip
     if SILU:
         acc = acc * tl.sigmoid(acc)
     out_mask = (rows < num_tokens)[:, None] & col_mask[None, :]
@@ -99,17 +131,10 @@ def _pre_activation_grad(
         grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0
     ).to(tl.float32)
     if SILU:
-        pre = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        if HAS_BIAS:
-            pre += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        for k in tl.static_range(WIDTH):
-            source = rows - (WIDTH - 1) + k
-            source_mask = ((source >= 0) & (source < num_tokens))[:, None] & col_mask[None, :]
-            x = tl.load(
-                x_ptr + source[:, None] * stride_x + cols[None, :], mask=source_mask, other=0.0
-            )
-            tap = tl.load(weight_ptr + cols * WIDTH + k, mask=col_mask, other=0.0).to(tl.float32)
-            pre += x.to(tl.float32) * tap[None, :]
+        pre = _pre_activation(
+            x_ptr, weight_ptr, bias_ptr, rows, cols, col_mask, num_tokens, stride_x,
+            WIDTH, HAS_BIAS, BLOCK_T, BLOCK_C,
+        )  # fmt: skip
         sigmoid = tl.sigmoid(pre)
         grad = grad * sigmoid * (1.0 + pre * (1.0 - sigmoid))
     return grad
@@ -166,12 +191,8 @@ def _conv_backward_kernel(
         )
         bias_sums += tl.sum(own_grad, axis=0)
         for k in tl.static_range(WIDTH):
-            source = rows - (WIDTH - 1) + k
-            source_mask = ((source >= 0) & (source < num_tokens))[:, None] & col_mask[None, :]
-            x = tl.load(
-                x_ptr + source[:, None] * stride_x + cols[None, :], mask=source_mask, other=0.0
-            )
-            tap_sum = tl.sum(own_grad * x.to(tl.float32), axis=0)  # [BLOCK_C]
+            x = _load_tap_input(x_ptr, rows, cols, col_mask, num_tokens, stride_x, WIDTH, k)
+            tap_sum = tl.sum(own_grad * x, axis=0)  # [BLOCK_C]
             weight_sums += tl.where(taps[None, :] == k, tap_sum[:, None], 0.0)
     # partial[program, c, k] for k < WIDTH (weight), partial[program, c, WIDTH] (bias)
     base = partial_ptr + program * channels * (WIDTH + 1) + cols * (WIDTH + 1)

@@ -18,14 +18,13 @@ forward and backward pair with mamba_ssm's signatures), so the difference is the
   does).
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.ssm import torch_ssd, tree_scan
@@ -131,16 +130,7 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
 def test_interpreted_kernels_match_torch_oracle():
     pytest.importorskip("triton")
     for small_blocks in ("0", "1"):
-        result = subprocess.run(
-            [sys.executable, __file__, small_blocks],
-            env={**os.environ, "TRITON_INTERPRET": "1"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert "relative error" in result.stdout
+        assert "relative error" in run_interpreted(__file__, small_blocks)
 
 
 def test_token_blocks_cover_every_token_once_in_order():
