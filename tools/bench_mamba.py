@@ -563,7 +563,8 @@ def conv_comparison(mixer, args):
         layout = plan_shared_prefix(
             sequences, capacity=sum(map(len, sequences)), pad_multiple=1
         ).rows[0]
-        for label, row in (("tree", layout), ("dense varlen", flat_layout([len(s) for s in sequences]))):
+        dense = flat_layout([len(s) for s in sequences])
+        for label, row in (("tree", layout), ("dense varlen", dense)):
             forest = ForestTensors.from_layout(row, "cuda")
             _fixup_windows(forest, width)
             wide = torch.randn(
@@ -613,7 +614,8 @@ def conv_markdown(rows, command, args, mixer):
         f"Command: `{command}`",
         "",
         f"Device: {torch.cuda.get_device_name()}; the tree conv of one Mamba mixer alone (hidden "
-        f"{args.hidden}: {mixer.conv1d_weight.shape[0]} channels, width {mixer.d_conv}, SiLU, bf16; "
+        f"{args.hidden}: {mixer.conv1d_weight.shape[0]} channels, width {mixer.d_conv}, SiLU, "
+        "bf16; "
         "input a strided slice of a projection-wide tensor, as Mamba's xBC is). ms: GPU time, "
         f"median of {args.repeats} runs queued back to back. torch: F.conv1d over the row, then "
         "the SiLU; triton: the Triton row conv with the SiLU fused (ssm/triton_causal_conv.py); "
@@ -644,7 +646,8 @@ def main():
     parser.add_argument(
         "--conv",
         action="store_true",
-        help="time the tree conv alone: PyTorch, the Triton row conv, megatron-core's varlen kernel",
+        help="time the tree conv alone: PyTorch, the Triton row conv, megatron-core's varlen "
+        "kernel",
     )
     parser.add_argument(
         "--profile",

@@ -116,8 +116,8 @@ class TreeMambaMixer(MambaMixer):
     def scan_signature(self) -> tuple:
         """What the kernels of this layer's forest path are compiled for, besides the row: its
         per-rank widths (inner, groups, heads, head dim, state), chunk size, conv width and
-        activation, gate, D's shape, scan and conv backends and state dtype. Layers with equal signatures
-        run the same kernel variants."""
+        activation, gate, D's shape, scan and conv backends and state dtype. Layers with equal
+        signatures run the same kernel variants."""
         return (
             self.cp.d_inner_local_tpcp,
             self.cp.ngroups_local_tpcp,
@@ -135,8 +135,8 @@ class TreeMambaMixer(MambaMixer):
         )
 
     def warm_up(self, num_tokens: int, *, dtype: torch.dtype, device) -> None:
-        """Run this layer's forest path between the projections (tree conv, tree scan, forked states,
-        gated norm) forward and backward on a random ``num_tokens``-token row, so that every
+        """Run this layer's forest path between the projections (tree conv, tree scan, forked
+        states, gated norm) forward and backward on a random ``num_tokens``-token row, so that every
         kernel variant it needs at that length is compiled. Only the random input's gradient is
         taken: no parameter gradient is written. The row is a prefix tree of depth three
         (``warmup_forest``), which runs every kernel of the forked states."""
