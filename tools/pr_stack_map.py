@@ -139,7 +139,7 @@ PULL_REQUESTS = (
         "1.05-1.06x the time of a varlen scan over the same packed tokens (the fork's 0.6-0.8 ms), "
         "3.6-5.0x less than the same sequences packed as a varlen row and 5.2-9.2x less than "
         "the dense padded batch on the three benchmark forests; the Triton row conv makes the "
-        "layer 28-29% faster than PyTorch's conv, tree and dense alike.",
+        "layer 27-29% faster than PyTorch's conv, tree and dense alike.",
         "The fused training kernel (use_mamba_mem_eff_path) has no per-segment state input, so a "
         "forest always takes the unfused path. Context parallelism (cp_size > 1) is rejected.",
     ),
