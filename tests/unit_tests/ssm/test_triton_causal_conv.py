@@ -6,6 +6,8 @@
   power of two), with and without bias and SiLU, row lengths that are not multiples of the blocks.
 * Tree conv with ``backend="triton"`` against the sequential oracle
   (``reference.tree_causal_conv1d_sequential``) on a forest whose windows cross segment boundaries.
+* A TreeMambaMixer with ``tree_conv_backend="triton"`` against the same mixer on "torch": output
+  and every gradient.
 * CPU: Triton's interpreter (TRITON_INTERPRET=1 must be set before triton compiles anything, hence
   a subprocess running this file), float32: the bound is float32 rounding.
 * GPU (marked ``gpu``): compiled kernels, float32 and bf16, against the torch backend's tree conv.
@@ -110,19 +112,58 @@ def tree_errors(device, dtype, expected_backend):
     return [rel_err(out, expected)] + [rel_err(a, e) for a, e in zip(grads, expected_grads)]
 
 
+def mixer_errors():
+    """Relative errors of a TreeMambaMixer with ``tree_conv_backend="triton"`` against the same
+    mixer with "torch" (float32, CPU: the torch scan), on the crossing forest: the output, the input
+    gradient and every parameter gradient."""
+    from test_mamba_mixer import build_mixer
+
+    from megatron.shared_prefix.ssm import triton_causal_conv
+    from megatron.shared_prefix.tensors import forest_scope
+    from megatron.shared_prefix.training.distributed import init_single_process
+
+    init_single_process("cpu")
+    mixer = build_mixer(chunk_size=16, hidden_size=32, heads=4, state=8, dtype=torch.float32)
+    layout, forest = crossing_forest("cpu")
+    generator = torch.Generator().manual_seed(9)
+    hidden = torch.randn(layout.num_tokens, 1, 32, generator=generator).requires_grad_()
+    probe = torch.randn(layout.num_tokens, 1, 32, generator=generator)
+    leaves = [hidden, *mixer.parameters()]
+    # Count the Triton row conv's calls (tree_conv.py looks it up at each call).
+    calls = []
+    row_conv = triton_causal_conv.row_causal_conv1d
+    triton_causal_conv.row_causal_conv1d = lambda *args, **kwargs: (
+        calls.append(1),
+        row_conv(*args, **kwargs),
+    )[1]
+    results = {}
+    for backend, expected_calls in (("torch", 0), ("triton", 1)):
+        mixer.tree_conv_backend = backend
+        with forest_scope(forest):
+            out = mixer(hidden)[0]
+        grads = torch.autograd.grad((out * probe).sum(), leaves, allow_unused=True)
+        results[backend] = [out, *(g for g in grads if g is not None)]
+        assert len(calls) == expected_calls, (backend, len(calls))
+    assert len(results["triton"]) == len(leaves) + 1  # every parameter reached
+    return [rel_err(a, b) for a, b in zip(results["triton"], results["torch"])]
+
+
 def interpreted_checks():
-    """Run in the TRITON_INTERPRET=1 subprocess: every row case and the tree conv, float32."""
+    """Run in the TRITON_INTERPRET=1 subprocess: every row case, the tree conv and a mixer on
+    each backend, float32."""
     for case in ROW_CASES:
         errors = row_errors(*case, "cpu", torch.float32)
         assert max(errors) <= FP32_TOLERANCE, (case, errors)
     errors = tree_errors("cpu", torch.float32, "oracle")
     assert max(errors) <= FP32_TOLERANCE, errors
-    print("interpreted row and tree conv within", FP32_TOLERANCE)
+    errors = mixer_errors()
+    assert max(errors) <= FP32_TOLERANCE, errors
+    print("interpreted row conv, tree conv and mixer within", FP32_TOLERANCE)
 
 
 def test_interpreted_kernels_match_dense_conv_and_oracle():
     pytest.importorskip("triton")
-    assert "interpreted row and tree conv within" in run_interpreted(__file__)
+    assert "interpreted row conv, tree conv and mixer within" in run_interpreted(__file__)
 
 
 def test_rejects_bad_inputs_before_launching():
