@@ -17,8 +17,9 @@ Implementation (memory O(T * channels)):
    about 2^31 / d_proj tokens) and torch otherwise;
 2. a fix-up of those few tokens: their windows are gathered along the root path
    (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv and the activation are
-   recomputed for them, and written back out of place (``index_put`` without accumulation: each
-   fixed token is written once, so the result and its gradient do not depend on any order).
+   recomputed for them, and written into the row conv's output (``index_put_`` without
+   accumulation: each fixed token is written once, so the result and its gradient do not depend on
+   any order).
 
 The fix-up touches at most ``S * (w - 1)`` tokens (S segments), a small fraction of the row.
 """
@@ -33,7 +34,6 @@ from megatron.shared_prefix.tensors import ForestTensors, host_to_device
 
 ACTIVATIONS = (None, "silu", "swish")
 CONV_BACKENDS = ("auto", "torch", "triton")
-CONV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the Triton row conv's
 
 
 def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +61,13 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     CUDA tensors of the kernel's dtypes whose offsets fit its int32 arithmetic."""
     if backend != "auto":
         return backend == "triton"
-    if not x.is_cuda or x.dtype not in CONV_DTYPES:
+    if not x.is_cuda:
         return False
     # pylint: disable-next=import-outside-toplevel
-    from megatron.shared_prefix.ssm.triton_causal_conv import offsets_fit
+    from megatron.shared_prefix.ssm.triton_causal_conv import SUPPORTED_DTYPES, offsets_fit
 
     token_stride = x.stride(1) if x.stride(2) == 1 else x.shape[2]  # else a contiguous copy runs
-    return offsets_fit(x.shape[1], token_stride, x.shape[2])
+    return x.dtype in SUPPORTED_DTYPES and offsets_fit(x.shape[1], token_stride, x.shape[2])
 
 
 def tree_causal_conv1d(
@@ -113,8 +113,7 @@ def tree_causal_conv1d(
     width, length = weight.shape[1], x.shape[1]
 
     # 1. The ordinary causal conv of the packed row: right wherever the window stays in-segment.
-    triton = _use_triton(x, backend)
-    if triton:
+    if _use_triton(x, backend):
         # pylint: disable-next=import-outside-toplevel
         from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
 
@@ -139,7 +138,6 @@ def tree_causal_conv1d(
             fixed = fixed + bias.to(compute)
         if activation is not None:
             fixed = F.silu(fixed)
-        # The Triton conv keeps nothing of its output for backward, so write into it in place.
-        put = out.index_put_ if triton else out.index_put
-        out = put((tokens,), fixed.to(out.dtype))
+        # Neither row conv keeps its output for backward, so the fix-up writes into it in place.
+        out.index_put_((tokens,), fixed.to(out.dtype))
     return out.unsqueeze(0)

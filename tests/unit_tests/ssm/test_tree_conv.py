@@ -127,6 +127,22 @@ def test_only_segment_heads_are_recomputed(forest_sequences):
     assert forest.derive(("tree_conv_fixup", 4), lambda: None) is not None  # cached on the forest
 
 
+def test_fixup_writes_into_the_row_conv_output(monkeypatch):
+    """The fix-up overwrites the segment heads in the row conv's own output (index_put_), not in a
+    copy of it: the result is the buffer the row conv's activation returned."""
+    layout, forest = make_forest(SHORT_CHAIN)
+    x, weight, bias = conv_inputs(layout.num_tokens, 4, 4)
+    activated = []
+    silu = F.silu
+    monkeypatch.setattr(F, "silu", lambda t: activated.append(silu(t)) or activated[-1])
+    out = tree_causal_conv1d(x, weight, bias, forest, "silu", backend="torch")
+    row_output = activated[0]  # the row conv's; the fix-up's own SiLU comes second
+    assert row_output.shape == (layout.num_tokens, 4)
+    assert out[0].data_ptr() == row_output.data_ptr()
+    expected = reference.tree_causal_conv1d_sequential(x, weight, bias, layout, "silu")
+    assert rel_err(out, expected) <= EXACT
+
+
 def test_bf16_runs_in_input_dtype():
     layout, forest = make_forest(SHORT_CHAIN)
     x, weight, bias = conv_inputs(layout.num_tokens, 4, 4, dtype=torch.bfloat16)

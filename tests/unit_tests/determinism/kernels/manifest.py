@@ -202,14 +202,15 @@ ENTRIES = [
         tests=(
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_conv_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
+            "tests/unit_tests/ssm/test_tree_conv.py",
             "tests/unit_tests/ssm/test_triton_causal_conv.py",
         ),
         kind="pure PyTorch",
         training_path=True,
         notes=(
             "The row conv (F.conv1d and SiLU, or on CUDA the Triton row conv, entry "
-            "row_causal_conv1d) plus root-path window gathers for segment heads, written back with "
-            "a non-accumulating index_put; the gather's backward accumulates into parent tails "
+            "row_causal_conv1d) plus root-path window gathers for segment heads, written into the "
+            "row conv's output with a non-accumulating index_put_; the gather's backward accumulates into parent tails "
             "(bit-reproducible on CUDA only in deterministic mode). GPU replay with both row convs."
         ),
     ),
