@@ -49,6 +49,46 @@ from megatron.shared_prefix.tensors import ForestTensors, current_forest, rank_s
 ROW_BLOCK_SIZE = 256
 
 
+class RowBlockGating(torch.autograd.Function):
+    """Gating GEMM ``x @ W.T (+ b)`` of a packed row, one GEMM per fixed-size block of rows.
+
+    A GEMM's rounding may depend on its row count, so the forward runs every block as a GEMM of
+    exactly ``block`` rows (the last one zero-padded): a token's logits are the same bits at any row
+    length and offset. The backward needs no such invariance and runs one GEMM per gradient, as
+    megatron-core's router gating does. One autograd node for the whole row: a node per block costs
+    the host more than the GPU spends on the block.
+
+    Shapes: hidden [T, H], weight [E, H], bias [E] or None -> logits [T, E] in ``router_dtype``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, router_dtype, block):
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.router_dtype = router_dtype
+        num_tokens = hidden.shape[0]
+        rows = F.pad(hidden.to(router_dtype), (0, 0, 0, -num_tokens % block))
+        weight_t = weight.to(router_dtype).t()
+        logits = rows.new_empty(rows.shape[0], weight.shape[0])
+        for start in range(0, rows.shape[0], block):
+            end = start + block
+            if bias is None:
+                torch.mm(rows[start:end], weight_t, out=logits[start:end])
+            else:
+                torch.addmm(
+                    bias.to(router_dtype), rows[start:end], weight_t, out=logits[start:end]
+                )
+        return logits[:num_tokens]
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        hidden, weight, bias = ctx.saved_tensors
+        dtype = ctx.router_dtype
+        grad_hidden = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
+        grad_weight = (grad_logits.t() @ hidden.to(dtype)).to(weight.dtype)
+        grad_bias = None if bias is None else grad_logits.sum(0).to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
 class TreeTopKRouter(TopKRouter):
     """TopKRouter whose statistics count every packed token once per sequence through it.
 
@@ -153,16 +193,19 @@ class TreeTopKRouter(TopKRouter):
         """Router logits [..., E]; on a forest computed in fixed-size row blocks.
 
         Every block is one GEMM of ``row_block_size`` rows (the last one zero-padded), so a token's
-        logits do not depend on the row's length or the token's offset in it.
+        logits do not depend on the row's length or the token's offset in it
+        (:class:`RowBlockGating`). Computed in ``moe_router_dtype`` as TopKRouter computes them.
         """
         if current_forest() is None:
             return super().gating(input)
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+            self.config.moe_router_dtype, input.dtype
+        )
         hidden = input.reshape(-1, input.shape[-1])
-        num_tokens = hidden.shape[0]
-        padded = F.pad(hidden, (0, 0, 0, -num_tokens % self.row_block_size))
-        gate = super().gating
-        logits = torch.cat([gate(block) for block in padded.split(self.row_block_size)])
-        return logits[:num_tokens].view(*input.shape[:-1], -1)
+        logits = RowBlockGating.apply(
+            hidden, self.weight, self.bias, router_dtype, self.row_block_size
+        )
+        return logits.view(*input.shape[:-1], -1)
 
     def apply_z_loss(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """Attach the z-loss; on a forest ``coeff * sum_t m_t * lse_t^2 / N`` (the dense mean)."""

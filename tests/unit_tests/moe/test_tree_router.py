@@ -209,14 +209,28 @@ def _chain_layout(length):
     return plan_shared_prefix([np.arange(length) % 60 + 1], capacity=length).rows[0]
 
 
-def test_gating_is_packing_invariant(build_router):
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", torch.float32),
+        pytest.param(
+            "cuda",
+            torch.bfloat16,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_gating_is_packing_invariant(build_router, device, dtype):
     """The same tokens packed at other offsets, in rows of other lengths: bitwise equal routing."""
     # A wide router; on CPU an unblocked GEMM differs for rows of fewer than 8 tokens.
     hidden_size = 1024
     router = build_router(
         add_bias_linear=True, hidden_size=hidden_size, num_moe_experts=16, **EXPERT_BIAS
-    )
-    tokens = torch.randn(37, 1, hidden_size)
+    ).to(device, dtype)
+    tokens = torch.randn(37, 1, hidden_size).to(device, dtype)
     reference = None
     # (row length, offset, tokens placed): alone in tiny rows, inside the first block, across a
     # block boundary (256), and in a later block.
@@ -228,9 +242,10 @@ def test_gating_is_packing_invariant(build_router):
         (300, 240, 37),
         (700, 511, 37),
     ]:
-        hidden = torch.randn(length, 1, hidden_size)
+        hidden = torch.randn(length, 1, hidden_size).to(device, dtype)
         hidden[offset : offset + count] = tokens[:count]
-        with forest_scope(ForestTensors.from_layout(_chain_layout(length), "cpu")), torch.no_grad():
+        forest = ForestTensors.from_layout(_chain_layout(length), device)
+        with forest_scope(forest), torch.no_grad():
             logits = router.gating(hidden)
             probs, routing_map = router(hidden)
         placed = [
@@ -241,6 +256,23 @@ def test_gating_is_packing_invariant(build_router):
             reference = placed
         for expected, value in zip(reference, placed):
             assert torch.equal(expected[:count], value), (length, offset)
+
+
+def test_gating_gradients_match_one_gemm(build_router):
+    """The blocked gating's backward: the gradients of one unblocked GEMM (with a bias)."""
+    router = build_router(add_bias_linear=True)
+    _, layout = shared_padded_row(1, num_sequences=8, pad_multiple=16)
+    hidden = torch.randn(layout.num_tokens, 1, router.weight.shape[1], requires_grad=True)
+    probe = torch.randn(layout.num_tokens, router.weight.shape[0])
+    with forest_scope(ForestTensors.from_layout(layout, "cpu")):
+        (router.gating(hidden).view(-1, probe.shape[1]) * probe).sum().backward()
+    weight = router.weight.detach().clone().requires_grad_()
+    bias = router.bias.detach().clone().requires_grad_()
+    x = hidden.detach().clone().requires_grad_()
+    ((x.view(-1, weight.shape[1]) @ weight.t() + bias) * probe).sum().backward()
+    assert relative_error(hidden.grad, x.grad) < 1e-6
+    assert relative_error(router.weight.grad, weight.grad) < 1e-6
+    assert relative_error(router.bias.grad, bias.grad) < 1e-6
 
 
 @pytest.mark.parametrize("with_padding_mask", [False, True])
