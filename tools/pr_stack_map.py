@@ -174,11 +174,16 @@ PULL_REQUESTS = (
         "router, counts every packed token once per sequence through it: int64 expert-bias counts, "
         "and aux / seq-aux / global-aux and z losses equal to those of the dense micro-batch "
         "holding the row's sequences (values and gradients). The gating GEMM runs in fixed row "
-        "blocks, so a token's routing does not depend on where it is packed. tree_moe_module_spec "
-        "is get_moe_module_spec with that router; validation.py names router settings a forest "
-        "cannot reproduce.",
+        "blocks, so a token's routing does not depend on where it is packed. On a forest the MoE "
+        "layer never waits for the GPU: TreeMoELayer's all-gather dispatcher sizes the "
+        "permutation on the host (tokens x topk: nothing is dropped) and leaves the per-expert "
+        "counts on the device, where ForestSequentialMLP runs the experts as two grouped GEMMs "
+        "(SequentialMLP's parameters and checkpoints). tree_moe_module_spec is "
+        "get_moe_module_spec with these; validation.py names router settings a forest cannot "
+        "reproduce.",
         "Every statistic is checked against a dense-expansion oracle (reference.py) and against a "
-        "dense MoE model on random forests (depth 1..4).",
+        "dense MoE model on random forests (depth 1..4); the sync-free layer against megatron-core's "
+        "MoELayer with the same weights, and on CUDA under torch.cuda.set_sync_debug_mode('error').",
         "Token dropping (capacity factor) and router settings that see the packed row as one "
         "sequence are rejected with the setting named.",
     ),
