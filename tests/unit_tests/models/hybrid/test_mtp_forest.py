@@ -324,6 +324,9 @@ def test_mtp_loss_enters_training_as_in_hybrid_model(megatron_world, per_token):
 
     set_moe_metrics_tracker(MoEMetricsTracker())
     MTPLossLoggingHelper.clean_metrics_in_tracker()
+    # A scale left by an earlier test (a 0-d one from a backward without a schedule) would take
+    # this one by copy_ and fail on the shape: start from none.
+    MTPLossAutoScaler.main_loss_backward_scale = MoEAuxLossAutoScaler.main_loss_backward_scale = None
     MTPLossAutoScaler.set_loss_scale(torch.ones(1))
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
     try:
