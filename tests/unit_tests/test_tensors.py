@@ -11,6 +11,7 @@ from megatron.shared_prefix.tensors import (
     cumsum_over_tokens,
     current_forest,
     forest_scope,
+    hosts_to_device,
 )
 
 
@@ -65,3 +66,29 @@ def test_host_tables_equal_the_device_tables(forest_sequences):
     np.testing.assert_array_equal(
         forest.host_root_path_predecessors(3), forest.root_path_predecessors(3).numpy()
     )
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+def test_hosts_to_device_copies_each_array(device):
+    """One transfer, each array back with its dtype, shape and values, whatever its size."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = np.random.default_rng(0)
+    arrays = [
+        rng.integers(-5, 5, size=(3, 7)).astype(np.int64),
+        np.zeros(0, dtype=np.int64),
+        rng.integers(0, 9, size=(2, 5)).astype(np.int32).T,  # not contiguous
+        np.array([True, False, True]),
+        rng.standard_normal(9).astype(np.float32),
+        np.arange(1, dtype=np.int16),
+    ]
+    copies = hosts_to_device(arrays, device)
+    for array, copy in zip(arrays, copies):
+        assert copy.device.type == device
+        assert copy.dtype == torch.from_numpy(array[:0].copy()).dtype
+        np.testing.assert_array_equal(copy.cpu().numpy(), array)
+    # The copies do not alias the host arrays.
+    arrays[0][0, 0] = 99
+    assert copies[0][0, 0].item() != 99

@@ -5,8 +5,8 @@ that no query of a block may attend, computes tiles that every query may attend 
 the mask, and evaluates the mask only on the tiles in between, so work follows the attended pairs of
 the forest.
 
-The block mask is derived in O(T + (T / block)^2) tensor work, with no [T, T] mask and no scatter:
-in DFS order the queries that may attend a key ``k`` are the contiguous range ``[k, end_k)``, so the
+The block mask is derived on the host in O(T + (T / block)^2) work, with no [T, T] mask: in DFS
+order the queries that may attend a key ``k`` are the contiguous range ``[k, end_k)``, so the
 query blocks that may attend key block ``j`` are the contiguous range from ``j`` to the block of
 ``max end_k - 1``, and those that attend every key of block ``j`` with every query are the blocks
 strictly after ``j`` that end before ``min end_k``.
@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from megatron.shared_prefix.tensors import ForestTensors
+from megatron.shared_prefix.tensors import ForestTensors, hosts_to_device
 
 BLOCK_SIZE = 128
 
@@ -157,34 +157,52 @@ def tree_mask_mod(token_subtree_end: torch.Tensor):
     return mask_mod
 
 
-def _block_ranges(token_subtree_end: torch.Tensor, block_size: int):
-    """Per key block ``j``: the last query block that sees any of its keys, and the last that
-    sees all of them."""
-    num_tokens = token_subtree_end.shape[0]
+def block_tiles(token_subtree_end: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """([nb, nb] partial, [nb, nb] full) bool tiles of a row whose tokens have the subtree ends
+    ``token_subtree_end`` ([T] host array): query block ``i``, key block ``j``.
+
+    Query block ``i`` sees key block ``j`` iff ``j <= i <= (max end_k - 1) // block_size`` over
+    the keys ``k`` of block ``j``; it sees all of it iff ``i > j`` and ``i`` ends (at the row's end
+    for the last, ragged block) no later than ``min end_k``. Diagonal tiles stay partial.
+    """
+    num_tokens = len(token_subtree_end)
     num_blocks = -(-num_tokens // block_size)
     padding = num_blocks * block_size - num_tokens
 
     def per_block(reduce, neutral):
-        # The ragged tail of the last block, past T, is filled with a value neutral to ``reduce``.
-        ends = torch.nn.functional.pad(token_subtree_end, (0, padding), value=neutral)
-        return reduce(ends.view(num_blocks, block_size), dim=1)
+        # The ragged tail of the last block, past T, holds a value neutral to ``reduce``.
+        ends = np.pad(token_subtree_end, (0, padding), constant_values=neutral)
+        return reduce(ends.reshape(num_blocks, block_size), axis=1)
 
-    last_any = (per_block(torch.amax, 0) - 1) // block_size
-    # A query block sees all of key block j iff it lies after j and ends before min end_k; the last
-    # (partial) query block ends at T.
-    min_end = per_block(torch.amin, num_tokens)
-    block_ends = torch.clamp(
-        torch.arange(1, num_blocks + 1, device=token_subtree_end.device) * block_size,
-        max=num_tokens,
-    )
-    return num_blocks, last_any, min_end, block_ends
+    last_any = (per_block(np.max, 0) - 1) // block_size
+    min_end = per_block(np.min, num_tokens)
+    block_ends = np.minimum(np.arange(1, num_blocks + 1) * block_size, num_tokens)
+    q_block = np.arange(num_blocks)[:, None]
+    kv_block = np.arange(num_blocks)[None, :]
+    visible = (q_block >= kv_block) & (q_block <= last_any[None, :])
+    full = (q_block > kv_block) & (block_ends[:, None] <= min_end[None, :])
+    return visible & ~full, full
+
+
+def _ordered_lists(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([1, 1, n] int32 count, [1, 1, n, m] int32 indices) per row of [n, m] bool ``tiles``: the
+    selected columns first, ascending, then the others, ascending (FlexAttention's order, as its
+    own ``BlockMask.from_kv_blocks`` derives the query-side lists)."""
+    counts = tiles.sum(axis=1, dtype=np.int32)
+    indices = np.argsort(~tiles, axis=1, kind="stable").astype(np.int32)
+    return counts[None, None], indices[None, None]
 
 
 def tree_block_mask(
     forest: ForestTensors, block_size: int = BLOCK_SIZE, num_tokens: int | None = None
 ) -> BlockMask:
     """FlexAttention BlockMask of the forest over a row of ``num_tokens`` (default and minimum:
-    ``forest.num_tokens``), built on the forest's device with no [T, T] tensor.
+    ``forest.num_tokens``).
+
+    Built on the host from the layout (``block_tiles``), key-side and query-side lists alike, and
+    copied in one transfer: built on the device, as ``BlockMask.from_kv_blocks`` derives the
+    query side, it was some sixty small kernels and a few milliseconds of host work at the start
+    of every forward, while the GPU waited (docs/benchmarks.md).
 
     Tokens from ``forest.num_tokens`` on are padding, with subtree end 0: no query sees a padded key
     (``q < 0`` never holds), and no padded query sees a real key (real ends are at most
@@ -192,30 +210,30 @@ def tree_block_mask(
     padding alone have no key block, and no tile holding a padded key is full.
     """
     num_tokens = forest.num_tokens if num_tokens is None else num_tokens
-    end = torch.nn.functional.pad(forest.token_subtree_end, (0, num_tokens - forest.num_tokens))
-    num_blocks, last_any, min_end, block_ends = _block_ranges(end, block_size)
-    q_block = torch.arange(num_blocks, device=end.device)[:, None]
-    kv_block = torch.arange(num_blocks, device=end.device)[None, :]
-    visible = (q_block >= kv_block) & (q_block <= last_any[None, :])
-    full = (q_block > kv_block) & (block_ends[:, None] <= min_end[None, :])
-    partial = visible & ~full
-
-    def as_kv_lists(blocks: torch.Tensor):
-        counts = blocks.sum(dim=1, dtype=torch.int32)
-        # Stable descending sort puts the selected key blocks first, in ascending order.
-        indices = torch.argsort(blocks.to(torch.int8), dim=1, descending=True, stable=True)
-        return counts[None, None], indices.to(torch.int32)[None, None]
-
-    kv_num_blocks, kv_indices = as_kv_lists(partial)
-    full_num_blocks, full_indices = as_kv_lists(full)
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks,
-        kv_indices,
-        full_num_blocks,
-        full_indices,
-        BLOCK_SIZE=block_size,
-        mask_mod=tree_mask_mod(end),
+    end = np.pad(forest.host_subtree_end(), (0, num_tokens - forest.num_tokens))
+    partial, full = block_tiles(end, block_size)
+    lists = [
+        *_ordered_lists(partial),
+        *_ordered_lists(full),
+        *_ordered_lists(partial.T),
+        *_ordered_lists(full.T),
+    ]
+    end, *lists = hosts_to_device([end.astype(np.int64), *lists], forest.device)
+    kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices, full_q_num, full_q_indices = (
+        lists
+    )
+    return BlockMask(
         seq_lengths=(num_tokens, num_tokens),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_indices,
+        q_num_blocks=q_num,
+        q_indices=q_indices,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_indices,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=tree_mask_mod(end),
     )
 
 

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import torch
 
-from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, host_to_device
+from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, hosts_to_device
 
 
 def weighted_expert_counts(routing_map: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ class ForestRoutingTables:
 
     @classmethod
     def build(cls, forest: ForestTensors) -> "ForestRoutingTables":
-        """Index tables from the forest's host layout, copied to its device once."""
+        """Index tables from the forest's host layout, copied to its device in one transfer."""
         layout = forest.layout
         num_tokens = layout.num_tokens
         subtree_end = forest.host_subtree_end()
@@ -93,20 +93,21 @@ class ForestRoutingTables:
         last = layout.sequence_last_index
         sequence_order, sequence_start, sequence_stop = _sorted_ranges(last, tokens, subtree_end)
 
-        def on_device(array):
-            return host_to_device(np.asarray(array, dtype=np.int64), forest.device)
-
+        tables = (prefix_order, closed_before, last, sequence_order, sequence_start, sequence_stop)
+        (prefix_order, closed_before, last_on_device, sequence_order, sequence_start, sequence_stop) = (
+            hosts_to_device([np.asarray(table, dtype=np.int64) for table in tables], forest.device)
+        )
         return cls(
             multiplicity=forest.token_multiplicity,
             padding=forest.token_multiplicity == 0,
             num_sequences=len(last),
             num_dense_tokens=int(layout.token_multiplicity.sum()),
-            token_prefix_order=on_device(prefix_order),
-            token_closed_before=on_device(closed_before),
-            sequence_last=on_device(last),
-            sequence_order=on_device(sequence_order),
-            sequence_start=on_device(sequence_start),
-            sequence_stop=on_device(sequence_stop),
+            token_prefix_order=prefix_order,
+            token_closed_before=closed_before,
+            sequence_last=last_on_device,
+            sequence_order=sequence_order,
+            sequence_start=sequence_start,
+            sequence_stop=sequence_stop,
         )
 
     def count_weights(self, count_padding: bool) -> torch.Tensor:

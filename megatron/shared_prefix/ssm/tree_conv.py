@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megatron.shared_prefix.tensors import ForestTensors, host_to_device
+from megatron.shared_prefix.tensors import ForestTensors, hosts_to_device
 
 ACTIVATIONS = (None, "silu", "swish")
 CONV_BACKENDS = ("auto", "torch", "triton")
@@ -51,7 +51,7 @@ def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, tor
         tokens = np.flatnonzero(offset < width - 1)
         predecessors = forest.host_root_path_predecessors(width - 1)[tokens]  # nearest first
         windows = np.concatenate([predecessors[:, ::-1], tokens[:, None]], axis=1)
-        return host_to_device(tokens, forest.device), host_to_device(windows, forest.device)
+        return hosts_to_device([tokens, windows], forest.device)
 
     return forest.derive(("tree_conv_fixup", width), build)
 

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.shared_prefix.ssm import torch_ssd
-from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, host_to_device
+from megatron.shared_prefix.tensors import ForestTensors, cumsum_over_tokens, hosts_to_device
 
 # Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
 # pylint: disable=invalid-name
@@ -251,6 +251,7 @@ class TreeScanPlan:
             first): (segment, first token, end token (exclusive), slot of its parent among the
             internal segments or -1 for a root).
         child_tokens: per internal segment, [K_p] int64 packed indices of its children's tokens.
+        host_child_tokens: the same on the host (numpy), for tables built from them.
         all_child_tokens: [sum K_p] the concatenation (distinct indices: every token of a non-root
             segment, once).
         segment_first: [S] int64 first token of each segment; segment_last: [S] its last token.
@@ -262,6 +263,7 @@ class TreeScanPlan:
     seq_idx: torch.Tensor
     internal: tuple[tuple[int, int, int, int], ...]
     child_tokens: tuple[torch.Tensor, ...]
+    host_child_tokens: tuple[np.ndarray, ...]
     all_child_tokens: torch.Tensor
     segment_first: torch.Tensor
     segment_last: torch.Tensor
@@ -298,20 +300,30 @@ class TreeScanPlan:
         bounds = np.searchsorted(token_parent[order], internal_segments, side="left")
         ends = np.searchsorted(token_parent[order], internal_segments, side="right")
 
-        def on_device(array):
-            return host_to_device(np.asarray(array, dtype=np.int64), forest.device)
-
-        child_tokens = tuple(on_device(order[b:e]) for b, e in zip(bounds, ends))
+        host_child_tokens = tuple(order[b:e] for b, e in zip(bounds, ends))
         all_children = order[bounds[0] :] if len(internal_segments) else order[:0]
+        tables = [
+            all_children,
+            starts,
+            starts + lengths - 1,
+            [segment for segment, *_ in internal],
+            [parent_slot for *_, parent_slot in internal],
+            *host_child_tokens,
+        ]
+        # One transfer from the host for all of them (tensors.hosts_to_device).
+        (all_child_tokens, first, last, slot_segment, slot_parent, *child_tokens) = hosts_to_device(
+            [np.asarray(table, dtype=np.int64) for table in tables], forest.device
+        )
         return cls(
             seq_idx=forest.token_segment.to(torch.int32).unsqueeze(0).contiguous(),
             internal=internal,
-            child_tokens=child_tokens,
-            all_child_tokens=on_device(all_children),
-            segment_first=on_device(starts),
-            segment_last=on_device(starts + lengths - 1),
-            slot_segment=on_device([segment for segment, *_ in internal]),
-            slot_parent=on_device([parent_slot for *_, parent_slot in internal]),
+            child_tokens=tuple(child_tokens),
+            host_child_tokens=host_child_tokens,
+            all_child_tokens=all_child_tokens,
+            segment_first=first,
+            segment_last=last,
+            slot_segment=slot_segment,
+            slot_parent=slot_parent,
             has_parent_slots=any(parent_slot >= 0 for *_, parent_slot in internal),
         )
 

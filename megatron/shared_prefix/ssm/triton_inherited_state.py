@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.shared_prefix.tensors import ForestTensors, host_to_device
+from megatron.shared_prefix.tensors import ForestTensors, hosts_to_device
 
 # Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
 # pylint: disable=invalid-name
@@ -96,6 +96,7 @@ class TokenBlocks:
 
     @classmethod
     def _build(cls, device, token_lists) -> "TokenBlocks":
+        """``token_lists``: per slot, a host int64 array of its packed token indices."""
         counts = np.array([len(tokens) for tokens in token_lists], dtype=np.int64)
         run_starts = np.cumsum(counts) - counts
         blocks, splits, slot_splits = [], [], []
@@ -113,14 +114,14 @@ class TokenBlocks:
             slot_splits.append((first_split, len(splits)))
 
         def table(rows, width):
-            array = np.array(rows, dtype=np.int32).reshape(-1, width)
-            return host_to_device(array.T, device)
+            return np.array(rows, dtype=np.int32).reshape(-1, width).T
 
+        tokens = np.concatenate([np.zeros(0, dtype=np.int64), *token_lists]).astype(np.int64)
+        # One transfer from the host: a copy from pageable memory would drain the GPU's queue.
         return cls(
-            tokens=torch.cat(list(token_lists)).to(device),
-            blocks=table(blocks, 3),
-            splits=table(splits, 2),
-            slot_splits=table(slot_splits, 2),
+            *hosts_to_device(
+                [tokens, table(blocks, 3), table(splits, 2), table(slot_splits, 2)], device
+            )
         )
 
 
@@ -710,9 +711,9 @@ class ForkedStates:
             own=TokenBlocks.of(
                 forest,
                 "internal segment tokens",
-                lambda: [torch.arange(first, end) for _, first, end, _ in plan.internal],
+                lambda: [np.arange(first, end) for _, first, end, _ in plan.internal],
             ),
-            children=TokenBlocks.of(forest, "child tokens", lambda: plan.child_tokens),
+            children=TokenBlocks.of(forest, "child tokens", lambda: plan.host_child_tokens),
             slot_segment=plan.slot_segment,
             slot_parent=plan.slot_parent,
             has_parent_slots=plan.has_parent_slots,

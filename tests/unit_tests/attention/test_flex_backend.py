@@ -4,6 +4,7 @@ backend, row-length buckets."""
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from megatron.shared_prefix.attention import flex_backend, torch_backend
 from megatron.shared_prefix.attention.reference import tree_attention_allow_mask
@@ -57,6 +58,34 @@ def test_block_mask_matches_dense_mask(forest_sequences, depth, block, padding):
     first_padded_block = -(-layout.num_tokens // block)
     assert not mask.kv_num_blocks[0, 0, first_padded_block:].any()
     assert not mask.full_kv_num_blocks[0, 0, first_padded_block:].any()
+
+
+@pytest.mark.parametrize("padding", [0, 5])
+def test_block_mask_query_lists_are_flex_attentions(forest_sequences, padding):
+    """The query-side lists built on the host are the ones FlexAttention's own
+    ``BlockMask.from_kv_blocks`` derives from the key-side lists, entry for entry."""
+    layout = plan_shared_prefix(
+        forest_sequences(seed=7, depth=3, max_segment=24), capacity=1024
+    ).rows[0]
+    forest = ForestTensors.from_layout(layout, "cpu")
+    mask = flex_backend.tree_block_mask(
+        forest, block_size=8, num_tokens=layout.num_tokens + padding
+    )
+    stock = BlockMask.from_kv_blocks(
+        mask.kv_num_blocks,
+        mask.kv_indices,
+        mask.full_kv_num_blocks,
+        mask.full_kv_indices,
+        BLOCK_SIZE=8,
+        mask_mod=mask.mask_mod,
+        seq_lengths=mask.seq_lengths,
+    )
+    assert mask.q_num_blocks.any() and mask.full_q_num_blocks.any()
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        ours, theirs = getattr(mask, name), getattr(stock, name)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+        assert torch.equal(ours, theirs), name
+    assert mask.BLOCK_SIZE == stock.BLOCK_SIZE and mask.seq_lengths == stock.seq_lengths
 
 
 def test_bucket_length():

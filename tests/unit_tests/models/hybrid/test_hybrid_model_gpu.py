@@ -80,7 +80,9 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
     from megatron.shared_prefix.models.hybrid.hybrid_model import _mtp_depths
     from megatron.shared_prefix.moe.statistics import ForestRoutingTables
     from megatron.shared_prefix.ssm.tree_conv import _fixup_windows
+    from megatron.shared_prefix.attention.flex_backend import tree_block_mask
     from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan
+    from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
     from megatron.shared_prefix.tensors import ForestTensors
 
     # What _mtp_depths reads of a model: its MTP depth count and parallel sizes.
@@ -93,6 +95,8 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
     try:
         forest = ForestTensors.from_layout(layout, "cuda")
         plan = TreeScanPlan.of(forest)
+        forked = ForkedStates.of(forest, plan)
+        block_mask = tree_block_mask(forest, block_size=16)
         tokens, windows = _fixup_windows(forest, 4)
         ForestRoutingTables.build(forest)
         predecessors = forest.root_path_predecessors(3)
@@ -102,9 +106,63 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
     cpu = ForestTensors.from_layout(layout, "cpu")
     assert torch.equal(forest.token_subtree_end.cpu(), cpu.token_subtree_end)
     assert torch.equal(predecessors.cpu(), cpu.root_path_predecessors(3))
-    assert torch.equal(plan.all_child_tokens.cpu(), TreeScanPlan.of(cpu).all_child_tokens)
+    cpu_plan = TreeScanPlan.of(cpu)
+    assert torch.equal(plan.all_child_tokens.cpu(), cpu_plan.all_child_tokens)
+    for ours, theirs in zip(plan.child_tokens, cpu_plan.child_tokens, strict=True):
+        assert torch.equal(ours.cpu(), theirs)
+    cpu_forked = ForkedStates.of(cpu, cpu_plan)
+    for blocks, cpu_blocks in ((forked.own, cpu_forked.own), (forked.children, cpu_forked.children)):
+        for name in ("tokens", "blocks", "splits", "slot_splits"):
+            assert torch.equal(getattr(blocks, name).cpu(), getattr(cpu_blocks, name)), name
+    cpu_mask = tree_block_mask(cpu, block_size=16)
+    for ours, theirs in zip(block_mask.as_tuple(), cpu_mask.as_tuple()):
+        if isinstance(ours, torch.Tensor):
+            assert torch.equal(ours.cpu(), theirs)
     cpu_tokens, cpu_windows = _fixup_windows(cpu, 4)
     assert torch.equal(tokens.cpu(), cpu_tokens) and torch.equal(windows.cpu(), cpu_windows)
     for depth, cpu_depth in zip(depths, _mtp_depths(mtp_model, cpu), strict=True):
         assert torch.equal(depth.input_index.cpu(), cpu_depth.input_index)
         assert torch.equal(depth.main_edge_slot.cpu(), cpu_depth.main_edge_slot)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_forest_step_never_waits_for_the_gpu(build_model, forest_sequences):
+    """A whole forest training step of a model with every layer kind (Mamba, attention, MLP, MoE;
+    bf16), forward and backward, with synchronizing calls turned into errors. Each forward builds
+    its forest's tables anew from the layout, so every table's transfer is inside the checked
+    step; a step with a single synchronization lets the GPU run dry while the host catches up."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the forest MoE layer's grouped GEMM needs compute capability 8.0")
+    model = build_model(
+        "M*-ME",
+        mamba_chunk_size=64,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=512,
+        mamba_head_dim=32,
+        mamba_state_dim=32,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_mamba_mem_eff_path=False,
+    ).cuda()
+    layout = plan_shared_prefix(
+        forest_sequences(seed=3, depth=3, max_segment=150), capacity=4096, pad_multiple=128
+    ).rows[0]
+
+    def step():
+        model(None, None, None, shared_prefix_layout=layout).float().sum().backward()
+
+    step()  # compiles
+    busy = torch.randn(4096, 4096, device="cuda")
+    busy @ busy  # pylint: disable=pointless-statement  # queued work a synchronization would wait for
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
