@@ -54,9 +54,73 @@ def test_flex_block_mask_replay_cpu(forest_sequences, padding):
         mask = flex_backend.tree_block_mask(
             forest, block_size=16, num_tokens=forest.num_tokens + padding
         )
-        return mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices
+        return (
+            mask.kv_num_blocks,
+            mask.kv_indices,
+            mask.full_kv_num_blocks,
+            mask.full_kv_indices,
+            mask.q_num_blocks,
+            mask.q_indices,
+            mask.full_q_num_blocks,
+            mask.full_q_indices,
+        )
 
     assert_bitwise_replay(fn, make_inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_block_mask_keeps_the_bits_gpu(forest_sequences):
+    """The block mask's query-side lists, which the backward walks for dK and dV, are built on the
+    host (``tree_block_mask``); FlexAttention's own ``BlockMask.from_kv_blocks`` derives them on
+    the device. The compiled kernel's output and gradients must be bitwise the same with either."""
+    from torch.nn.attention.flex_attention import (  # pylint: disable=import-outside-toplevel
+        BlockMask,
+    )
+
+    sequences = forest_sequences(seed=9, depth=3, max_segment=300)
+    layout = plan_shared_prefix(sequences, capacity=8192, pad_multiple=128).rows[0]
+    forest = ForestTensors.from_layout(layout, "cuda")
+    host_mask = flex_backend.tree_block_mask(forest)
+    device_mask = BlockMask.from_kv_blocks(
+        host_mask.kv_num_blocks,
+        host_mask.kv_indices,
+        host_mask.full_kv_num_blocks,
+        host_mask.full_kv_indices,
+        BLOCK_SIZE=flex_backend.BLOCK_SIZE,
+        mask_mod=host_mask.mask_mod,
+        seq_lengths=host_mask.seq_lengths,
+    )
+    generator = torch.Generator(device="cuda").manual_seed(9)
+    query, key, value = (
+        torch.randn(layout.num_tokens, 1, heads, 128, generator=generator, device="cuda")
+        .to(torch.bfloat16)
+        .requires_grad_()
+        for heads in (8, 2, 2)
+    )
+    upstream = torch.randn(layout.num_tokens, 1, 8 * 128, generator=generator, device="cuda")
+
+    run, static = flex_backend.run_length(layout.num_tokens)
+    assert run == layout.num_tokens  # no padding: the kernels see the row as it is
+
+    def forward_backward(block_mask):
+        # pylint: disable-next=protected-access
+        out = flex_backend._flex_attention_compiled(
+            static,
+            query,
+            key,
+            value,
+            block_mask=block_mask,
+            scale=0.088,
+            enable_gqa=True,
+            kernel_options=flex_backend.KERNEL_OPTIONS,
+        )
+        return (out, *torch.autograd.grad(out, (query, key, value), upstream.bfloat16()))
+
+    with _dynamo_enabled():
+        host, device = forward_backward(host_mask), forward_backward(device_mask)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), host, device):
+        assert torch.equal(a, b), f"{name} differs between the host-built and the stock block mask"
 
 
 @pytest.mark.gpu

@@ -10,8 +10,11 @@ and the mixer that chains them must give identical bits run after run, forward a
 PyTorch's deterministic settings. The forest has several internal
 segments, one-token segments, windows crossing two segment boundaries and padding; lengths are not
 multiples of the chunk size. Each replayed run builds the forest's index tables afresh
-(``fresh``): they are copied to the device without blocking the host (``host_to_device``), so a run
-that read a table before its copy landed would not replay.
+(``fresh``): they are copied to the device without blocking the host, each group of tables in one
+transfer from a pinned staging buffer (``hosts_to_device``), so a run that read a table before its
+copy landed would not replay. The conv and scan tests also run once on tables built and landed
+before the run starts (``settled``) and demand run 0's bits: a staging buffer reused before its
+copy ran would give every replayed run the same wrong tables, which replay alone cannot see.
 """
 
 import numpy as np
@@ -19,11 +22,11 @@ import pytest
 import torch
 
 from megatron.shared_prefix.planning import plan_shared_prefix
-from megatron.shared_prefix.ssm.tree_conv import tree_causal_conv1d
-from megatron.shared_prefix.ssm.tree_scan import tree_ssd_scan
+from megatron.shared_prefix.ssm.tree_conv import _fixup_windows, tree_causal_conv1d
+from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, tree_ssd_scan
 from megatron.shared_prefix.tensors import ForestTensors, forest_scope
 
-from ..replay import assert_bitwise_replay
+from ..replay import assert_bitwise_replay, deterministic_settings
 
 GPU = [
     pytest.mark.gpu,
@@ -61,6 +64,29 @@ def fresh(forest):
     return ForestTensors.from_layout(forest.layout, forest.device)
 
 
+def settled(forest):
+    """A new ForestTensors of ``forest``'s layout whose conv, scan and forked-state tables are
+    built, and on CUDA copied, before it is returned (the device synchronized)."""
+    new = fresh(forest)
+    plan = TreeScanPlan.of(new)
+    _fixup_windows(new, WIDTH)
+    if new.device.type == "cuda":
+        # pylint: disable-next=import-outside-toplevel
+        from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
+
+        ForkedStates.of(new, plan)
+        torch.cuda.synchronize()
+    return new
+
+
+def assert_settled_tables_agree(run, forest, make_inputs, replayed):
+    """``run(forest, *inputs)`` on ``settled(forest)`` gives the replay's run-0 output bits."""
+    with deterministic_settings():
+        torch.manual_seed(0)  # the replay's seed: the same inputs
+        output = run(settled(forest), *make_inputs())
+    assert torch.equal(output.detach().view(torch.int32), replayed["output[0]"].view(torch.int32))
+
+
 def _param(*shape, device, scale=1.0, shift=0.0):
     return (torch.randn(*shape, device=device) * scale + shift).requires_grad_()
 
@@ -85,12 +111,14 @@ def test_tree_conv_replay(device, backend, row):
             _param(channels, device=device, scale=0.1),
         )
 
-    def fn(x, weight, bias):
-        return tree_causal_conv1d(
-            x, weight, bias, fresh(forest), activation="silu", backend=backend
-        )
+    def conv(tables, x, weight, bias):
+        return tree_causal_conv1d(x, weight, bias, tables, activation="silu", backend=backend)
 
-    assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
+    def fn(x, weight, bias):
+        return conv(fresh(forest), x, weight, bias)
+
+    replayed = assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
+    assert_settled_tables_agree(conv, forest, make_inputs, replayed)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -112,7 +140,7 @@ def test_tree_scan_replay(device, gate, row):
             _param(HEADS, device=device, scale=0.3),  # dt_bias
         )
 
-    def fn(x, dt, A, B, C, D, z, dt_bias):
+    def scan(tables, x, dt, A, B, C, D, z, dt_bias):
         return tree_ssd_scan(
             x,
             dt,
@@ -120,14 +148,18 @@ def test_tree_scan_replay(device, gate, row):
             B,
             C,
             CHUNK,
-            fresh(forest),
+            tables,
             D=D,
             z=z if gate else None,
             dt_bias=dt_bias,
             dt_softplus=True,
         )
 
-    assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
+    def fn(*inputs):
+        return scan(fresh(forest), *inputs)
+
+    replayed = assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=device == "cuda")
+    assert_settled_tables_agree(scan, forest, make_inputs, replayed)
     # What replayed: mamba_ssm's scan and the Triton fork in one function on CUDA, torch_ssd on CPU.
     forked = "_ForkedChunkScanBackward" in _graph_nodes(fn(*make_inputs()))
     assert forked == (device == "cuda")
