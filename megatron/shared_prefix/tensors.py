@@ -249,11 +249,11 @@ class ForestTensors:
         if cp_size == sp_size == 1:
             return self.edge_unique_source, self.edge_source_slot, None
         local, slots, owned, _ = self._host_projection(cp_size, cp_rank, sp_size, sp_rank)
-
-        def on_device(array):
-            return host_to_device(np.asarray(array, dtype=np.int64), self.device)
-
-        return on_device(local), on_device(slots), (on_device(owned) if cp_size > 1 else None)
+        tables = [local, slots] + ([owned] if cp_size > 1 else [])
+        local, slots, *owned = hosts_to_device(
+            [np.asarray(table, dtype=np.int64) for table in tables], self.device
+        )
+        return local, slots, (owned[0] if owned else None)
 
     def _host_projection(self, cp_size, cp_rank, sp_size, sp_rank):
         """``edge_projection`` on the host: (local sources, slots, owned edges or None, U_max)."""
@@ -334,17 +334,19 @@ class ForestTensors:
         chunk_width = np.minimum(chunk_start + chunk_rows, width) - chunk_start
         in_chunk = sp_rank_of_edge[order] * chunk_width + row[order] - chunk_start
         counts = np.bincount(chunk_of_edge, minlength=len(starts)).tolist()
-        in_chunk = host_to_device(in_chunk.astype(np.int64), self.device).split(counts)
-        chunk_targets = host_to_device(
-            np.asarray(targets[order], dtype=np.int64), self.device
-        ).split(counts)
-        chunks = tuple(
-            (int(start), int(min(start + chunk_rows, width)), slot, target)
-            for start, slot, target in zip(starts, in_chunk, chunk_targets)
-        )
         position = np.empty(len(slots), dtype=np.int64)
         position[order] = np.arange(len(slots))
-        return chunks, host_to_device(position, self.device)
+        in_chunk, chunk_targets, position = hosts_to_device(
+            [in_chunk.astype(np.int64), np.asarray(targets[order], dtype=np.int64), position],
+            self.device,
+        )
+        chunks = tuple(
+            (int(start), int(min(start + chunk_rows, width)), slot, target)
+            for start, slot, target in zip(
+                starts, in_chunk.split(counts), chunk_targets.split(counts)
+            )
+        )
+        return chunks, position
 
     def attention_key_blocks(self, block_size: int) -> tuple[torch.Tensor, ...]:
         """Keys visible to each block of ``block_size`` consecutive queries.
@@ -364,9 +366,8 @@ class ForestTensors:
         blocks = []
         for start in range(0, self.num_tokens, block_size):
             end = min(start + block_size, self.num_tokens)
-            visible = np.flatnonzero(subtree_end[:end] > start)
-            blocks.append(host_to_device(visible.astype(np.int64), self.device))
-        return tuple(blocks)
+            blocks.append(np.flatnonzero(subtree_end[:end] > start).astype(np.int64))
+        return hosts_to_device(blocks, self.device)
 
     def root_path_predecessors(self, window: int) -> torch.Tensor:
         """[T, window] packed index of the 1st..window-th previous token on each token's root path.
