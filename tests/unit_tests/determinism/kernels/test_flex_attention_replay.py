@@ -41,6 +41,36 @@ def _dynamo_enabled():
         torch._dynamo.reset()
 
 
+def _compiled_forward_backward(num_tokens, seed):
+    """``run(static, block_mask) -> (out, dq, dk, dv)``: the compiled kernel (static or
+    dynamic-shape) called directly, on seeded bf16 queries [T, 1, 8, 128] over keys and values
+    [T, 1, 2, 128] and a seeded output gradient, the same tensors on every call."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    query, key, value = (
+        torch.randn(num_tokens, 1, heads, 128, generator=generator, device="cuda")
+        .to(torch.bfloat16)
+        .requires_grad_()
+        for heads in (8, 2, 2)
+    )
+    upstream = torch.randn(num_tokens, 1, 8 * 128, generator=generator, device="cuda").bfloat16()
+
+    def run(static, block_mask):
+        # pylint: disable-next=protected-access
+        out = flex_backend._flex_attention_compiled(
+            static,
+            query,
+            key,
+            value,
+            block_mask=block_mask,
+            scale=0.088,
+            enable_gqa=True,
+            kernel_options=flex_backend.KERNEL_OPTIONS,
+        )
+        return (out, *torch.autograd.grad(out, (query, key, value), upstream))
+
+    return run
+
+
 @pytest.mark.parametrize("padding", [0, 37])
 def test_flex_block_mask_replay_cpu(forest_sequences, padding):
     sequences = forest_sequences(seed=3, depth=3, max_segment=40)
@@ -91,34 +121,13 @@ def test_host_block_mask_keeps_the_bits_gpu(forest_sequences):
         mask_mod=host_mask.mask_mod,
         seq_lengths=host_mask.seq_lengths,
     )
-    generator = torch.Generator(device="cuda").manual_seed(9)
-    query, key, value = (
-        torch.randn(layout.num_tokens, 1, heads, 128, generator=generator, device="cuda")
-        .to(torch.bfloat16)
-        .requires_grad_()
-        for heads in (8, 2, 2)
-    )
-    upstream = torch.randn(layout.num_tokens, 1, 8 * 128, generator=generator, device="cuda")
-
     run, static = flex_backend.run_length(layout.num_tokens)
     assert run == layout.num_tokens  # no padding: the kernels see the row as it is
-
-    def forward_backward(block_mask):
-        # pylint: disable-next=protected-access
-        out = flex_backend._flex_attention_compiled(
-            static,
-            query,
-            key,
-            value,
-            block_mask=block_mask,
-            scale=0.088,
-            enable_gqa=True,
-            kernel_options=flex_backend.KERNEL_OPTIONS,
-        )
-        return (out, *torch.autograd.grad(out, (query, key, value), upstream.bfloat16()))
+    forward_backward = _compiled_forward_backward(layout.num_tokens, seed=9)
 
     with _dynamo_enabled():
-        host, device = forward_backward(host_mask), forward_backward(device_mask)
+        host = forward_backward(static, host_mask)
+        device = forward_backward(static, device_mask)
     for name, a, b in zip(("out", "dq", "dk", "dv"), host, device):
         assert torch.equal(a, b), f"{name} differs between the host-built and the stock block mask"
 
@@ -202,30 +211,10 @@ def test_static_and_dynamic_kernels_agree_bitwise_gpu(forest_sequences):
     layout = plan_shared_prefix(sequences, capacity=num_tokens, pad_multiple=num_tokens).rows[0]
     forest = ForestTensors.from_layout(layout, "cuda")
     block_mask = flex_backend.tree_block_mask(forest)
-    generator = torch.Generator(device="cuda").manual_seed(7)
-    query, key, value = (
-        torch.randn(num_tokens, 1, heads, 128, generator=generator, device="cuda")
-        .to(torch.bfloat16)
-        .requires_grad_()
-        for heads in (8, 2, 2)
-    )
-    upstream = torch.randn(num_tokens, 1, 8 * 128, generator=generator, device="cuda").bfloat16()
-
-    def forward_backward(static):
-        # pylint: disable-next=protected-access
-        out = flex_backend._flex_attention_compiled(
-            static,
-            query,
-            key,
-            value,
-            block_mask=block_mask,
-            scale=0.088,
-            enable_gqa=True,
-            kernel_options=flex_backend.KERNEL_OPTIONS,
-        )
-        return (out, *torch.autograd.grad(out, (query, key, value), upstream))
+    forward_backward = _compiled_forward_backward(num_tokens, seed=7)
 
     with _dynamo_enabled():
-        static, dynamic = forward_backward(True), forward_backward(False)
+        static = forward_backward(True, block_mask)
+        dynamic = forward_backward(False, block_mask)
     for name, a, b in zip(("out", "dq", "dk", "dv"), static, dynamic):
         assert torch.equal(a, b), f"{name} differs between the static and the dynamic kernel"

@@ -9,6 +9,20 @@ from tiny import tiny_config
 from megatron.shared_prefix.planning import plan_shared_prefix
 
 
+# A small bf16 model as Megatron builds one (MambaLayer casts its input to config.params_dtype).
+BF16_MODEL = dict(
+    mamba_chunk_size=64,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=512,
+    mamba_head_dim=32,
+    mamba_state_dim=32,
+    params_dtype=torch.bfloat16,
+    bf16=True,
+)
+
+
 def _causal_conv1d_available():
     try:
         import causal_conv1d  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
@@ -42,20 +56,8 @@ def test_bf16_forest_within_dense_spread(build_model, forest_sequences, pattern)
     sequences = forest_sequences(seed=1, depth=3, max_segment=120)
     plan = plan_shared_prefix(sequences, capacity=4096, pad_multiple=128)
     # The dense runs take megatron's fused Mamba path only where causal-conv1d (which it needs) imports.
-    # A bf16 model as Megatron builds one: MambaLayer casts its input to config.params_dtype.
     model = build_model(
-        pattern,
-        seed=0,
-        mamba_chunk_size=64,
-        hidden_size=256,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=512,
-        mamba_head_dim=32,
-        mamba_state_dim=32,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        use_mamba_mem_eff_path=_causal_conv1d_available(),
+        pattern, seed=0, use_mamba_mem_eff_path=_causal_conv1d_available(), **BF16_MODEL
     ).cuda()
     errors, spreads = [], []
     with torch.no_grad():
@@ -136,19 +138,11 @@ def test_forest_step_never_waits_for_the_gpu(build_model, forest_sequences):
         pytest.skip("the forest MoE layer's grouped GEMM needs compute capability 8.0")
     model = build_model(
         "M*-ME",
-        mamba_chunk_size=64,
-        hidden_size=256,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=512,
-        mamba_head_dim=32,
-        mamba_state_dim=32,
         num_moe_experts=4,
         moe_router_topk=2,
         add_bias_linear=False,
-        params_dtype=torch.bfloat16,
-        bf16=True,
         use_mamba_mem_eff_path=False,
+        **BF16_MODEL,
     ).cuda()
     layout = plan_shared_prefix(
         forest_sequences(seed=3, depth=3, max_segment=150), capacity=4096, pad_multiple=128
