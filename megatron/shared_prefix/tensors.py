@@ -152,12 +152,12 @@ class ForestTensors:
     def from_layout(cls, layout: ForestLayout, device: torch.device | str) -> "ForestTensors":
         """Copy the layout and its derived tables to ``device`` (one host-to-device transfer)."""
         unique_source, source_slot = np.unique(layout.edge_source, return_inverse=True)
-        subtree_end = _subtree_token_end(layout)
+        token_subtree_end = _subtree_token_end(layout)[layout.token_segment]
         tables = {
             "input_ids": layout.tokens,
             "position_ids": layout.position_ids,
             "token_segment": layout.token_segment,
-            "token_subtree_end": subtree_end[layout.token_segment],
+            "token_subtree_end": token_subtree_end,
             "segment_starts": layout.segment_starts,
             "segment_lengths": layout.segment_lengths,
             "segment_parents": layout.segment_parents,
@@ -172,7 +172,10 @@ class ForestTensors:
         fields = dict(zip(tables, on_device))
         fields["input_ids"] = fields["input_ids"].unsqueeze(0)
         fields["position_ids"] = fields["position_ids"].unsqueeze(0)
-        return cls(layout=layout, **fields)
+        forest = cls(layout=layout, **fields)
+        # ``host_subtree_end``, which host-built tables read: the same array, not computed again.
+        forest._derived["host_subtree_end"] = token_subtree_end
+        return forest
 
     @property
     def num_tokens(self) -> int:

@@ -116,7 +116,7 @@ class TokenBlocks:
         def table(rows, width):
             return np.array(rows, dtype=np.int32).reshape(-1, width).T
 
-        tokens = np.concatenate([np.zeros(0, dtype=np.int64), *token_lists]).astype(np.int64)
+        tokens = np.concatenate([np.zeros(0, dtype=np.int64), *token_lists])  # none: empty
         # One transfer from the host: a copy from pageable memory would drain the GPU's queue.
         return cls(
             *hosts_to_device(
