@@ -34,7 +34,9 @@ MiB per 1K tokens of the longest row.
 First step: ``--first-step`` runs one pattern in fresh processes (``subprocess``), each timing
 its start-up: imports, model build, the first step of the GRPO star batch, then the first step of
 rows of a length not seen before and a second one. The first process runs with empty Inductor and
-Triton caches (cold), the second with the caches the first left (warm).
+Triton caches (cold), the second with the caches the first left (warm). With
+``--first-step-processes N``, N processes start together for each cache state, on the same cache
+directories, as the ranks of a job sharing a cache (section of its own).
 
 Times are wall-clock milliseconds of a whole step (synchronized at its end, so host work inside the
 step counts), the median of ``--repeats`` steps after two warm-up steps.
@@ -43,6 +45,7 @@ Usage:
     python tools/bench_model.py [--patterns moe,nemotron] [--repeats 5] [--first-step moe]
         [--mtp-num-layers N [--mtp-pattern '*-']] [--write docs/benchmarks.md] [--json log.json]
         [--profile] [--kept-memory] [--output-chunk-tokens N] [--attention-backend flash]
+        [--first-step moe --first-step-processes N]
 
 With ``--mtp-num-layers N`` every pattern gets N multi-token prediction depths (the cost of MTP:
 tree against packed dense, both with MTP on), written to a section of its own; so does
@@ -86,6 +89,10 @@ MTP_SECTION = "Whole model with MTP (tools/bench_model.py --mtp-num-layers)"
 CHUNK_SECTION = "Whole model with output chunks (tools/bench_model.py --output-chunk-tokens)"
 FLASH_SECTION = "Whole model with flash attention (tools/bench_model.py --attention-backend flash)"
 FIRST_STEP_SECTION = "Whole model: first step and compilation (tools/bench_model.py --first-step)"
+SHARED_CACHE_SECTION = (
+    "Whole model: first step of processes sharing a cache (tools/bench_model.py "
+    "--first-step-processes)"
+)
 KEPT_SECTION = "Whole model: memory kept for backward (tools/bench_model.py --kept-memory)"
 
 # Layer patterns: attention + MoE heavy, and a Mamba-heavy Nemotron-H-like one (mostly M and -,
@@ -695,28 +702,47 @@ def first_steps(pattern, args):
     return results
 
 
+def cache_entries(directory) -> int:
+    """Files under ``directory`` (0 if it does not exist): what a phase added to a compile cache."""
+    return sum(len(files) for _, _, files in os.walk(directory))
+
+
 def _first_steps(pattern, mode, args):
+    """Cold then warm: ``--first-step-processes`` children started together on one cache."""
     cache = tempfile.mkdtemp(prefix="bench_model_cache_")
     env = dict(
         os.environ,
         TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
         TRITON_CACHE_DIR=os.path.join(cache, "triton"),
     )
+    processes = getattr(args, "first_step_processes", 1)
+    command = [sys.executable, os.path.abspath(__file__), "--first-step-child", pattern]
+    command += ["--capacity", str(args.capacity), "--mtp-num-layers", str(args.mtp_num_layers)]
+    command += ["--mtp-pattern", args.mtp_pattern, "--first-step-precompile", mode]
     results = {}
     for cache_state in ("cold", "warm"):
         label = f"{cache_state}, precompile {mode}"
-        command = [sys.executable, os.path.abspath(__file__), "--first-step-child", pattern]
-        command += ["--capacity", str(args.capacity), "--mtp-num-layers", str(args.mtp_num_layers)]
-        command += ["--mtp-pattern", args.mtp_pattern, "--first-step-precompile", mode]
-        child = subprocess.run(
-            command, env=env, check=False, capture_output=True, text=True, timeout=900
-        )
-        if child.returncode:
-            raise RuntimeError(f"{label} first-step process failed:\n{child.stderr[-4000:]}")
-        output = child.stdout
-        line = next(l for l in output.splitlines() if l.startswith("FIRST_STEP "))
-        results[label] = json.loads(line[len("FIRST_STEP ") :])
-        print(label, results[label], flush=True)
+        before = {
+            kind: cache_entries(env[f"{kind}_CACHE_DIR"]) for kind in ("TRITON", "TORCHINDUCTOR")
+        }
+        children = [
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(processes)
+        ]
+        outputs = [child.communicate(timeout=900) for child in children]
+        added = {
+            f"{kind.lower()}_files_added": cache_entries(env[f"{kind}_CACHE_DIR"]) - count
+            for kind, count in before.items()
+        }
+        for index, (child, (stdout, stderr)) in enumerate(zip(children, outputs)):
+            name = label if processes == 1 else f"{label}, process {index + 1} of {processes}"
+            if child.returncode:
+                raise RuntimeError(f"{name} first-step process failed:\n{stderr[-4000:]}")
+            line = next(l for l in stdout.splitlines() if l.startswith("FIRST_STEP "))
+            results[name] = {**json.loads(line[len("FIRST_STEP ") :]), **added}
+            print(name, results[name], flush=True)
     return results
 
 
@@ -729,6 +755,8 @@ def _section(args, tables):
         return CHUNK_SECTION
     if getattr(args, "attention_backend", "auto") == "flash":
         return FLASH_SECTION
+    if not tables and getattr(args, "first_step_processes", 1) > 1:
+        return SHARED_CACHE_SECTION
     return SECTION if tables else FIRST_STEP_SECTION
 
 
@@ -802,7 +830,9 @@ def markdown(tables, first, command, args):
             "of the benchmark (as under the flag, where rows are multiples of 16: one Mamba "
             "warm-up row per chunk count); new lengths: extra "
             "seconds of the first step at row lengths not seen before, over the same step "
-            "repeated: 20096 and 20352 tokens (not buckets), then 24576 (a bucket)):",
+            "repeated: 20096 and 20352 tokens (not buckets), then 24576 (a bucket)"
+            + _processes_note(args)
+            + "):",
             "",
         ]
         keys = (
@@ -812,6 +842,11 @@ def markdown(tables, first, command, args):
             "precompiled_s",
             "first_step_done_s",
             *(f"{key}_extra_s" for key, _ in NEW_LENGTHS),
+            *(
+                ("triton_files_added", "torchinductor_files_added")
+                if getattr(args, "first_step_processes", 1) > 1
+                else ()
+            ),
         )
         first_rows = [
             {"cache": label, **{key: values.get(key, "") for key in keys}}
@@ -820,6 +855,18 @@ def markdown(tables, first, command, args):
         ]
         lines += markdown_table(first_rows) + [""]
     return "\n".join(lines)
+
+
+def _processes_note(args):
+    processes = getattr(args, "first_step_processes", 1)
+    if processes == 1:
+        return ""
+    return (
+        f"; {processes} processes started together on one GPU for each cache state, sharing "
+        "one TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR, as the ranks of a job on a shared "
+        "file system; files added: what the cache directories gained while those processes "
+        "ran, together"
+    )
 
 
 def main():
@@ -858,6 +905,13 @@ def main():
         help="comma-separated --shared-prefix-precompile modes of the first-step processes "
         "(off, dynamic, buckets)",
     )
+    parser.add_argument(
+        "--first-step-processes",
+        type=int,
+        default=1,
+        help="first-step processes started together on one shared cache (as the ranks of a "
+        "job; default 1)",
+    )
     parser.add_argument("--first-step-child", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="profile one tree and dense step")
     parser.add_argument(
@@ -869,6 +923,8 @@ def main():
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--write", help="markdown file whose section to replace with the results")
     args = parser.parse_args()
+    if args.first_step_processes < 1:
+        parser.error(f"--first-step-processes must be >= 1, got {args.first_step_processes}")
     if args.first_step_child:
         first_step_child(args.first_step_child, args)
         return

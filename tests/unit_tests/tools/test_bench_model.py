@@ -375,3 +375,45 @@ def test_kernel_time_differences_locate_what_one_run_adds(tool):
     assert (calls, reference_calls) == (1, 0)
     assert by_name["aten::mm"][4:] == (1, 1)
     assert [row[3] for row in rows] == sorted((row[3] for row in rows), reverse=True)
+
+
+def test_shared_cache_processes_run_together_and_get_their_own_section(tool, monkeypatch, tmp_path):
+    """--first-step-processes N starts N children per cache state before waiting for any, on one
+    pair of cache directories; each gets a row of its own with what the cache gained meanwhile,
+    and the markdown goes to the shared-cache section."""
+    from types import SimpleNamespace
+
+    started, environments = [], []
+
+    class Child:  # a first-step child that writes one cache file per process
+        def __init__(self, command, env, **_):
+            started.append(command)
+            environments.append(env)
+            self.returncode = 0
+            os.makedirs(env["TRITON_CACHE_DIR"], exist_ok=True)
+            with open(os.path.join(env["TRITON_CACHE_DIR"], f"k{len(started)}"), "w") as handle:
+                handle.write("x")
+
+        def communicate(self, timeout):
+            assert len(started) % 2 == 0, "waited before the second process started"
+            return f'FIRST_STEP {{"first_step_done_s": {len(started)}.0}}\n', ""
+
+    monkeypatch.setattr(tool.subprocess, "Popen", Child)
+    monkeypatch.setattr(tool.tempfile, "mkdtemp", lambda **_: str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "test device")
+    args = SimpleNamespace(
+        capacity=4096, mtp_num_layers=0, mtp_pattern="*-", first_step_processes=2, hidden=256,
+        heads=4, query_groups=2, vocab=128, repeats=1,
+    )
+    results = tool._first_steps("moe", "off", args)  # pylint: disable=protected-access
+    assert len(started) == 4
+    assert len({env["TRITON_CACHE_DIR"] for env in environments}) == 1
+    assert sorted(results) == [
+        f"{state}, precompile off, process {i} of 2" for state in ("cold", "warm") for i in (1, 2)
+    ]
+    assert all(r["triton_files_added"] == 2 for r in results.values())
+    first = {"pattern": "moe", **results}
+    section = tool.markdown({}, first, "python tools/bench_model.py", args)
+    assert section.startswith(f"## {tool.SHARED_CACHE_SECTION}")
+    assert "2 processes started together" in section
+    assert "| triton_files_added | torchinductor_files_added |" in section
