@@ -725,15 +725,16 @@ class ForkedStates:
         the parents' end states from (2).
 
         Inputs: x, z [T, H, P] (z may be None), dt [T, H] float32 (processed), A [H] float32,
-        B, C [T, G, N]. Returns what :meth:`backward` reads: (cum [T, H], input weight [T, H],
-        cum_end [segments, H], end states [S, H, P, N]), float32.
+        B, C [T, G, N]. Returns what :meth:`backward` reads: the end states [S, H, P, N] float32.
+        The [T, H] log-decays and input weights are not kept: backward recomputes them, the same
+        bits, with one launch of the segment walk, rather than keep 8 bytes per token and head.
         """
         cum, weight, cum_end = segment_decay(dt, A, self.segment_starts, self.segment_lengths)
         ends = state_sum(x, None, B, weight, self.own, exp_weight=False)
         if self.has_parent_slots:
             ends = chain_states(ends, cum_end, self.slot_segment, self.slot_parent)
         token_product(z, C, cum, ends, self.children, exp_weight=True, out=y)
-        return cum, weight, cum_end, ends
+        return (ends,)
 
     def backward(self, grad_y, saved, x, z, dt, A, B, C, *, grad_x, grad_dt, grad_B, grad_C,
                  grad_z):  # fmt: skip
@@ -741,7 +742,8 @@ class ForkedStates:
         grad_dt [T, H] float32, grad_B, grad_C [T, G, N] (grad_z None without z). grad_y: the
         corrected output's gradient; saved: what :meth:`forward` returned. Returns d A [H]
         float32, to be added to the scan's."""
-        cum, weight, cum_end, ends = saved
+        (ends,) = saved
+        cum, weight, cum_end = segment_decay(dt, A, self.segment_starts, self.segment_lengths)
         grad_cum = token_grad(
             grad_y, z, C, cum, ends, self.children, exp_weight=True, grad_C=grad_C, grad_z=grad_z
         )

@@ -115,6 +115,9 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
                 out = tree_scan._ForkedChunkScan.apply(
                     *args.values(), row, CHUNK, torch_scan_functions(), {}
                 )
+                # The fork's [T, H] log-decays and input weights are recomputed in backward.
+                kept = [tuple(t.shape) for t in out.grad_fn.saved_tensors if t is not None]
+                assert (length, HEADS) not in kept, kept
             else:
                 out = tree_scan.tree_ssd_scan(chunk_size=CHUNK, forest=row, backend="torch", **args)
             grads = torch.autograd.grad((out.float() * weight).sum(), differentiable)

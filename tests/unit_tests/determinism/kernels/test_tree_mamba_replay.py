@@ -15,6 +15,9 @@ transfer from a pinned staging buffer (``hosts_to_device``), so a run that read 
 copy landed would not replay. The conv and scan tests also run once on tables built and landed
 before the run starts (``settled``) and demand run 0's bits: a staging buffer reused before its
 copy ran would give every replayed run the same wrong tables, which replay alone cannot see.
+The forked states' backward does not keep the forward's log-decays and input weights: it runs the
+segment walk again, which must give the forward's bits whatever else the GPU is doing
+(``test_segment_decay_recompute_replay``).
 """
 
 import numpy as np
@@ -311,3 +314,23 @@ def test_forked_state_kernels_replay(gate, dtype, row):
         )
 
     assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("row", sorted(FORESTS))
+def test_segment_decay_recompute_replay(row):
+    """segment_decay, which the forked states' backward reruns instead of keeping its [T, H]
+    outputs, gives the same cum, input weights and segment ends on every run, with a second stream
+    busy a different amount each time."""
+    # pylint: disable-next=import-outside-toplevel
+    from megatron.shared_prefix.ssm.triton_inherited_state import segment_decay
+
+    forest = FORESTS[row]("cuda")
+
+    def make_inputs():
+        dt = torch.rand(forest.num_tokens, HEADS, device="cuda") * 0.2 + 0.01
+        A = -torch.rand(HEADS, device="cuda") - 0.5
+        return dt, A, forest.segment_starts, forest.segment_lengths
+
+    assert_bitwise_replay(segment_decay, make_inputs, concurrent_stream_work=True)
