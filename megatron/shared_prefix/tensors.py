@@ -13,6 +13,7 @@ unchanged, and a module sees a forest only inside the forward (and backward, see
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Iterator, Optional
 
 import numpy as np
@@ -94,11 +95,16 @@ def hosts_to_device(arrays, device: torch.device | str) -> tuple[torch.Tensor, .
         host[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
     buffer = staging.to(device, non_blocking=cuda)
     return tuple(
-        buffer[offset : offset + array.nbytes]
-        .view(torch.from_numpy(array[:0].reshape(-1)).dtype)
-        .view(array.shape)
+        buffer[offset : offset + array.nbytes].view(_torch_dtype(array.dtype)).view(array.shape)
         for array, offset in zip(arrays, offsets)
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of numpy ``dtype`` (from an array of its own: a read-only table would make
+    ``torch.from_numpy`` warn)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 def _subtree_token_end(layout: ForestLayout) -> np.ndarray:

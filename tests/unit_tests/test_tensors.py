@@ -1,5 +1,8 @@
 """ForestTensors: derived tables against the layout, and the token-dimension scan."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -92,3 +95,19 @@ def test_hosts_to_device_copies_each_array(device):
     # The copies do not alias the host arrays.
     arrays[0][0, 0] = 99
     assert copies[0][0, 0].item() != 99
+
+
+def test_hosts_to_device_takes_read_only_arrays_without_warning():
+    """Layout tables may be read-only numpy arrays: they are copied, and nothing warns (torch warns
+    when it wraps a non-writable array, once per process: hence a fresh one)."""
+    script = (
+        "import warnings; warnings.simplefilter('error'); import numpy as np; "
+        "from megatron.shared_prefix.tensors import hosts_to_device; "
+        "table = np.arange(6, dtype=np.int64).reshape(2, 3); table.flags.writeable = False; "
+        "(copy,) = hosts_to_device([table], 'cpu'); "
+        "assert copy.tolist() == [[0, 1, 2], [3, 4, 5]], copy"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
