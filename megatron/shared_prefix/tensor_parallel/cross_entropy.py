@@ -49,7 +49,7 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
         log_normalizer = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         if group is None or group.size() == 1:
             for chunk in chunks:
-                log_normalizer[chunk] = torch.logsumexp(logits[chunk].float(), dim=-1)
+                log_normalizer[chunk] = _log_sum_exp(logits[chunk])
             target, owned = edge_target, None
             target_logit = logits[edge_source_slot, target].float()
         else:
@@ -60,7 +60,8 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
             sum_exp = torch.empty_like(log_normalizer)
             for chunk in chunks:
-                sum_exp[chunk] = (logits[chunk].float() - shift[chunk, None]).exp().sum(dim=-1)
+                values = logits[chunk].to(torch.float32, copy=True)  # the only temporary
+                sum_exp[chunk] = values.sub_(shift[chunk, None]).exp_().sum(dim=-1)
             dist.all_reduce(sum_exp, group=group)
             log_normalizer = sum_exp.log_().add_(shift)
             shard = logits.shape[-1]
@@ -97,6 +98,16 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
             )
             grad_logits[start:stop] = chunk
         return grad_logits, None, None, None, None
+
+
+def _log_sum_exp(logits: Tensor) -> Tensor:
+    """[rows] float32 ``log(sum(exp(logits)))`` over the last dim of [rows, V] logits, with one
+    float32 copy of them as the only temporary (updated in place): ``torch.logsumexp`` of the
+    float32 logits holds two, and a forest row's loss sits at the end of the forward, where its
+    memory peaks (docs/benchmarks.md). For finite logits, as a GEMM gives them."""
+    values = logits.to(torch.float32, copy=True)
+    shift = values.amax(dim=-1)
+    return values.sub_(shift[:, None]).exp_().sum(dim=-1).log_().add_(shift)
 
 
 def edge_cross_entropy(

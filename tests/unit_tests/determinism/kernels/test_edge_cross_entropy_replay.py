@@ -1,7 +1,8 @@
 """Bitwise replay of the one-rank edge loss (tensor_parallel/cross_entropy.py), forward and
 backward: edges sharing a source and a repeated (source, target) pair accumulate with
-``index_put_(accumulate=True)``; the float32 work runs in several row chunks; with
-``overwrite_logits`` the gradient is written into the logits' storage (the model's path)."""
+``index_put_(accumulate=True)``; the float32 work runs in several row chunks (the last one
+shorter) or in one, each on one float32 copy updated in place; with ``overwrite_logits`` the
+gradient is written into the logits' storage (the model's path)."""
 
 import pytest
 import torch
@@ -25,9 +26,11 @@ DEVICES = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new-gradient", "overwrite-logits"])
-def test_edge_cross_entropy_replay(monkeypatch, device, dtype, overwrite):
+@pytest.mark.parametrize("chunk_rows", [64, None], ids=["5-chunks", "one-chunk"])
+def test_edge_cross_entropy_replay(monkeypatch, device, dtype, overwrite, chunk_rows):
     sources, vocab = 300, 4096
-    monkeypatch.setattr(cross_entropy, "FLOAT32_CHUNK_ELEMENTS", 64 * vocab)  # 5 chunks
+    if chunk_rows is not None:
+        monkeypatch.setattr(cross_entropy, "FLOAT32_CHUNK_ELEMENTS", chunk_rows * vocab)
     generator = torch.Generator().manual_seed(0)
     slot = torch.randint(0, sources, (2000,), generator=generator)
     target = torch.randint(0, vocab, (2000,), generator=generator)

@@ -77,6 +77,21 @@ def _peak_bytes(fn):
     return result, peak
 
 
+def test_forward_holds_one_float32_copy_of_a_chunk():
+    """The forward's only logits-sized temporary is one float32 copy of a chunk (it sits at the end
+    of a forest row's forward, where the row's memory peaks): bf16 logits of one chunk allocate at
+    most 4 bytes per element plus per-row values, where torch.logsumexp of the float32 logits
+    holds two copies."""
+    sources, vocab = 64, 4096
+    logits = torch.randn(sources, vocab).bfloat16().requires_grad_()
+    slot = torch.arange(sources)
+    target = torch.randint(0, vocab, (sources,), generator=torch.Generator().manual_seed(0))
+    loss, peak = _peak_bytes(lambda: cross_entropy.edge_cross_entropy(logits, slot, target))
+    assert peak <= 4 * sources * vocab + 64 * sources, peak
+    expected = torch.logsumexp(logits.double(), -1) - logits.double()[slot, target]
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_overwrite_logits_writes_the_gradient_into_their_storage(monkeypatch):
     """``overwrite_logits``: the same loss and gradient bit for bit, the gradient in the logits'
     own storage, and a backward that allocates no second [U, V] tensor."""
