@@ -725,13 +725,24 @@ def _first_steps(pattern, mode, args):
         before = {
             kind: cache_entries(env[f"{kind}_CACHE_DIR"]) for kind in ("TRITON", "TORCHINDUCTOR")
         }
-        children = [
-            subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-            for _ in range(processes)
+        # Output to files, not pipes: a child whose pipe filled while another was waited for
+        # would stall, and its times with it.
+        logs = [
+            (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(processes)
         ]
-        outputs = [child.communicate(timeout=900) for child in children]
+        children = [
+            subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, text=True)
+            for stdout, stderr in logs
+        ]
+        for child in children:
+            child.wait(timeout=900)
+        outputs = []
+        for stdout, stderr in logs:
+            stdout.seek(0)
+            stderr.seek(0)
+            outputs.append((stdout.read(), stderr.read()))
+            stdout.close()
+            stderr.close()
         added = {
             f"{kind.lower()}_files_added": cache_entries(env[f"{kind}_CACHE_DIR"]) - count
             for kind, count in before.items()

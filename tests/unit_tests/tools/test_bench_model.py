@@ -386,17 +386,17 @@ def test_shared_cache_processes_run_together_and_get_their_own_section(tool, mon
     started, environments = [], []
 
     class Child:  # a first-step child that writes one cache file per process
-        def __init__(self, command, env, **_):
+        def __init__(self, command, env, stdout, **_):
             started.append(command)
             environments.append(env)
             self.returncode = 0
             os.makedirs(env["TRITON_CACHE_DIR"], exist_ok=True)
             with open(os.path.join(env["TRITON_CACHE_DIR"], f"k{len(started)}"), "w") as handle:
                 handle.write("x")
+            stdout.write(f'warning\nFIRST_STEP {{"first_step_done_s": {len(started)}.0}}\n')
 
-        def communicate(self, timeout):
+        def wait(self, timeout):
             assert len(started) % 2 == 0, "waited before the second process started"
-            return f'FIRST_STEP {{"first_step_done_s": {len(started)}.0}}\n', ""
 
     monkeypatch.setattr(tool.subprocess, "Popen", Child)
     monkeypatch.setattr(tool.tempfile, "mkdtemp", lambda **_: str(tmp_path))
@@ -412,6 +412,7 @@ def test_shared_cache_processes_run_together_and_get_their_own_section(tool, mon
         f"{state}, precompile off, process {i} of 2" for state in ("cold", "warm") for i in (1, 2)
     ]
     assert all(r["triton_files_added"] == 2 for r in results.values())
+    assert [r["first_step_done_s"] for r in results.values()] == [1.0, 2.0, 3.0, 4.0]
     first = {"pattern": "moe", **results}
     section = tool.markdown({}, first, "python tools/bench_model.py", args)
     assert section.startswith(f"## {tool.SHARED_CACHE_SECTION}")
