@@ -101,10 +101,12 @@ def test_hosts_to_device_takes_read_only_arrays_without_warning():
     """Layout tables may be read-only numpy arrays: they are copied, and nothing warns (torch warns
     when it wraps a non-writable array, once per process: hence a fresh one)."""
     script = (
-        "import warnings; warnings.simplefilter('error'); import numpy as np; "
-        "from megatron.shared_prefix.tensors import hosts_to_device; "
-        "table = np.arange(6, dtype=np.int64).reshape(2, 3); table.flags.writeable = False; "
-        "(copy,) = hosts_to_device([table], 'cpu'); "
+        f"import warnings; import numpy as np; from {hosts_to_device.__module__} import "
+        "hosts_to_device\n"
+        "table = np.arange(6, dtype=np.int64).reshape(2, 3); table.flags.writeable = False\n"
+        "with warnings.catch_warnings():\n"
+        "    warnings.simplefilter('error')\n"
+        "    (copy,) = hosts_to_device([table], 'cpu')\n"
         "assert copy.tolist() == [[0, 1, 2], [3, 4, 5]], copy"
     )
     child = subprocess.run(
