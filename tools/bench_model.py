@@ -736,13 +736,7 @@ def _first_steps(pattern, mode, args):
         ]
         for child in children:
             child.wait(timeout=900)
-        outputs = []
-        for stdout, stderr in logs:
-            stdout.seek(0)
-            stderr.seek(0)
-            outputs.append((stdout.read(), stderr.read()))
-            stdout.close()
-            stderr.close()
+        outputs = [tuple(_read_and_close(handle) for handle in pair) for pair in logs]
         added = {
             f"{kind.lower()}_files_added": cache_entries(env[f"{kind}_CACHE_DIR"]) - count
             for kind, count in before.items()
@@ -755,6 +749,13 @@ def _first_steps(pattern, mode, args):
             results[name] = {**json.loads(line[len("FIRST_STEP ") :]), **added}
             print(name, results[name], flush=True)
     return results
+
+
+def _read_and_close(handle) -> str:
+    """The whole text a child wrote to the temporary file ``handle``, which is then closed."""
+    with handle:
+        handle.seek(0)
+        return handle.read()
 
 
 def _section(args, tables):

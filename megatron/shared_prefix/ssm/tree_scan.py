@@ -152,8 +152,9 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
     Kept for backward: what mamba_ssm's own ``MambaChunkScanCombinedFn`` keeps, except the
     output when there is no gate (its backward reads it only for the gate; with z the ungated
     output is kept, as there), plus the fork's [internal segments, h, p, n] float32 end states (its
-    [T, h] float32 log-decays and input weights are recomputed in backward). A row without internal segments runs the scan
-    alone, its outputs and gradients bitwise mamba_ssm's stock function's.
+    [T, h] float32 log-decays and input weights are recomputed in backward). A row without
+    internal segments runs the scan alone, its outputs and gradients bitwise mamba_ssm's stock
+    function's.
 
     Inputs: x [1, T, h, p], dt [1, T, h] float32 (processed: no bias, no softplus), A [h]
     float32, B and C [1, T, g, n], D, z [1, T, h, p] or None, the forest, chunk_size, and
