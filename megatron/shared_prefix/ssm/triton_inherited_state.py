@@ -27,10 +27,10 @@ is written into the scan's output, and its gradients into the scan's gradients o
 activation-sized buffer is zero-filled, copied or summed for the fork.
 
 Two small kernels feed them: :func:`segment_decay` (cum, cum_end and the input weights w from dt
-and A, float64 sums within each segment, one program per segment and head block walking its
-tokens) and :func:`chain_states` (``end[s] = own[s] + exp(cum_end[s]) * end[parent(s)]`` for all
-internal segments in one launch, parents first). Every step is thus a fixed number of launches per
-layer, however many segments the row has.
+and A, float64 sums within each segment, one program per piece of a segment and head block,
+:class:`SegmentPieces`) and :func:`chain_states` (``end[s] = own[s] + exp(cum_end[s]) *
+end[parent(s)]`` for all internal segments in one launch, parents first). Every step is thus a
+fixed number of launches per layer, however many segments the row has.
 
 Precision follows mamba_ssm's chunk scan, which passes states between chunks the same way: the
 float32 state (or weighted input) is rounded to the input dtype and multiplied on tensor cores with
@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron.shared_prefix.tensors import ForestTensors, hosts_to_device
+from megatron.shared_prefix.tensors import ForestTensors, host_to_device, hosts_to_device
 
 # Mamba's notation (A, B, C, D) is kept for the SSM's tensors.
 # pylint: disable=invalid-name
@@ -343,23 +343,31 @@ def _sum_splits_kernel(out_ptr, partial_ptr, slot_splits_ptr, num_slots, size,
 
 
 @triton.jit
-def _segment_program(A_ptr, starts_ptr, lengths_ptr, segment, num_heads, BLOCK_H: tl.constexpr):
-    """This program's heads [BLOCK_H], their mask, A (float64), and its segment's start and
-    length."""
+def _piece_program(A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads,
+                   BLOCK_H: tl.constexpr):  # fmt: skip
+    """This program's piece (its segment, first and end token within the segment), its heads
+    [BLOCK_H], their mask, A (float64), and the segment's start and length."""
+    piece = tl.program_id(0)
+    segment = tl.load(pieces_ptr + piece)
+    first = tl.load(pieces_ptr + num_pieces + piece)
+    end = tl.load(pieces_ptr + 2 * num_pieces + piece)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
     A = tl.load(A_ptr + heads, mask=head_mask, other=0.0).to(tl.float64)
-    return heads, head_mask, A, tl.load(starts_ptr + segment), tl.load(lengths_ptr + segment)
+    start = tl.load(starts_ptr + segment)
+    length = tl.load(lengths_ptr + segment)
+    return segment, first, end, heads, head_mask, A, start, length
 
 
 @triton.jit
-def _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask, stride_dt_t, stride_dt_h,
+def _segment_steps(dt_ptr, A, start, offset, limit, heads, head_mask, stride_dt_t, stride_dt_h,
                    BLOCK_T: tl.constexpr):  # fmt: skip
     """Tokens [BLOCK_T], mask [BLOCK_T, BLOCK_H], dt (float32) and a = dt * A (float64, 0 where
-    masked) of one block of a segment's tokens."""
+    masked) of the block of a segment's tokens at ``offset`` (tokens from ``limit`` on are
+    masked)."""
     rows = tl.arange(0, BLOCK_T)
     tokens = start + offset + rows
-    mask = ((offset + rows) < length)[:, None] & head_mask[None, :]
+    mask = ((offset + rows) < limit)[:, None] & head_mask[None, :]
     dt = tl.load(
         dt_ptr + tokens[:, None] * stride_dt_t + heads[None, :] * stride_dt_h, mask=mask, other=0.0
     )
@@ -367,78 +375,100 @@ def _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask, stride_dt
 
 
 @triton.jit
+def _segment_sums(dt_ptr, grad_cum_ptr, A, start, length, first, heads, head_mask, num_heads,
+                  stride_dt_t, stride_dt_h, WITH_GRAD: tl.constexpr, SUM_T: tl.constexpr,
+                  BLOCK_H: tl.constexpr):  # fmt: skip
+    """Float64 sums over the segment, in blocks of SUM_T tokens: of a = dt * A (the segment's
+    total log-decay), of a before the piece's first token, and (WITH_GRAD) of grad_cum from it
+    on. Every program of a segment sums in the same order: the same total, bit for bit."""
+    total = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    before = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    grad_cum_from = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    for offset in range(0, length, SUM_T):
+        tokens, mask, _, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+                                            stride_dt_t, stride_dt_h, SUM_T)  # fmt: skip
+        earlier = ((offset + tl.arange(0, SUM_T)) < first)[:, None]
+        total += tl.sum(a, axis=0)
+        before += tl.sum(tl.where(earlier, a, 0.0), axis=0)
+        if WITH_GRAD:
+            grad_cum = tl.load(
+                grad_cum_ptr + tokens[:, None] * num_heads + heads[None, :], mask=mask, other=0.0
+            )
+            grad_cum_from += tl.sum(tl.where(earlier, 0.0, grad_cum.to(tl.float64)), axis=0)
+    return total, before, grad_cum_from
+
+
+@triton.jit(do_not_specialize=("num_pieces",))
 def _segment_decay_fwd_kernel(
-    cum_ptr, weight_ptr, cum_end_ptr, dt_ptr, A_ptr, starts_ptr, lengths_ptr,
-    num_heads, stride_dt_t, stride_dt_h,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    cum_ptr, weight_ptr, cum_end_ptr, dt_ptr, A_ptr, starts_ptr, lengths_ptr, pieces_ptr,
+    num_pieces, num_heads, stride_dt_t, stride_dt_h,
+    BLOCK_T: tl.constexpr, SUM_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Program (segment, head block): with a = dt * A (float64) summed within the segment,
-    cum[t] = sum_{u <= t} a, cum_end = sum over the segment, input weight[t] = exp(cum_end - cum[t])
-    * dt[t]. cum and weight are contiguous [T, H] float32, cum_end [S, H] float32."""
-    segment = tl.program_id(0)
-    heads, head_mask, A, start, length = _segment_program(
-        A_ptr, starts_ptr, lengths_ptr, segment, num_heads, BLOCK_H
+    """Program (piece, head block): with a = dt * A (float64) summed within the segment,
+    cum[t] = sum_{u <= t} a, cum_end = sum over the segment (written by the segment's first
+    piece), input weight[t] = exp(cum_end - cum[t]) * dt[t], for the piece's tokens. cum and
+    weight are contiguous [T, H] float32, cum_end [S, H] float32."""
+    segment, first, end, heads, head_mask, A, start, length = _piece_program(
+        A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads, BLOCK_H
     )
-    carry = tl.zeros((BLOCK_H,), dtype=tl.float64)
-    for offset in range(0, length, BLOCK_T):
-        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
-                                             stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
-        cum = tl.cumsum(a, axis=0) + carry[None, :]
-        tl.store(
-            cum_ptr + tokens[:, None] * num_heads + heads[None, :], cum.to(tl.float32), mask=mask
-        )
-        carry += tl.sum(a, axis=0)
-    tl.store(cum_end_ptr + segment * num_heads + heads, carry.to(tl.float32), mask=head_mask)
-    running = tl.zeros((BLOCK_H,), dtype=tl.float64)
-    for offset in range(0, length, BLOCK_T):
-        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+    total, running, _ = _segment_sums(dt_ptr, dt_ptr, A, start, length, first, heads, head_mask,
+                                      num_heads, stride_dt_t, stride_dt_h, False, SUM_T,
+                                      BLOCK_H)  # fmt: skip
+    if first == 0:
+        tl.store(cum_end_ptr + segment * num_heads + heads, total.to(tl.float32), mask=head_mask)
+    for offset in range(first, end, BLOCK_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, end, heads, head_mask,
                                              stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
         cum = tl.cumsum(a, axis=0) + running[None, :]
-        to_end = (carry[None, :] - cum).to(tl.float32)
-        tl.store(
-            weight_ptr + tokens[:, None] * num_heads + heads[None, :],
-            tl.exp(to_end) * dt,
-            mask=mask,
-        )
+        index = tokens[:, None] * num_heads + heads[None, :]
+        tl.store(cum_ptr + index, cum.to(tl.float32), mask=mask)
+        tl.store(weight_ptr + index, tl.exp((total[None, :] - cum).to(tl.float32)) * dt, mask=mask)
         running += tl.sum(a, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_pieces",))
 def _segment_decay_bwd_kernel(
     grad_dt_ptr, grad_A_partial_ptr, grad_cum_ptr, grad_weight_ptr, grad_cum_end_ptr,
-    dt_ptr, A_ptr, starts_ptr, lengths_ptr,
-    num_heads, stride_dt_t, stride_dt_h, stride_gdt_t, stride_gdt_h,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    dt_ptr, A_ptr, starts_ptr, lengths_ptr, pieces_ptr,
+    num_pieces, num_heads, stride_dt_t, stride_dt_h, stride_gdt_t, stride_gdt_h,
+    BLOCK_T: tl.constexpr, SUM_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Program (segment, head block), gradients of :func:`_segment_decay_fwd_kernel`. With
-    g_te[t] = d weight[t] * weight[t] (the gradient of cum_end - cum[t]):
+    """Program (piece, head block), gradients of :func:`_segment_decay_fwd_kernel` at the piece's
+    tokens. With g_te[t] = d weight[t] * weight[t] (the gradient of cum_end - cum[t]):
     d a[u] = sum_{t >= u} d cum[t] + sum_{t < u} g_te[t] + d cum_end, d dt = d a * A + d weight *
-    exp(cum_end - cum), and per segment d A = sum_u d a[u] * dt[u] (grad_A_partial [S, H], float32,
-    summed over segments by the caller). Float64 sums; d dt is added to grad_dt ([T, H] float32,
-    rounded once); grad_cum and grad_weight are contiguous [T, H]."""
-    segment = tl.program_id(0)
-    heads, head_mask, A, start, length = _segment_program(
-        A_ptr, starts_ptr, lengths_ptr, segment, num_heads, BLOCK_H
+    exp(cum_end - cum), and per piece d A = sum_u d a[u] * dt[u] (grad_A_partial [pieces, H],
+    float32, summed by the caller). Float64 sums; the g_te of the tokens before the piece use cum
+    summed in blocks of SUM_T (the forward's values to float64 rounding); d dt is added to grad_dt
+    ([T, H] float32, rounded once); grad_cum and grad_weight are contiguous [T, H]."""
+    segment, first, end, heads, head_mask, A, start, length = _piece_program(
+        A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads, BLOCK_H
     )
-    total = tl.zeros((BLOCK_H,), dtype=tl.float64)  # cum_end, recomputed in float64
-    grad_cum_total = tl.zeros((BLOCK_H,), dtype=tl.float64)
-    for offset in range(0, length, BLOCK_T):
-        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
-                                             stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
-        total += tl.sum(a, axis=0)
-        grad_cum = tl.load(
-            grad_cum_ptr + tokens[:, None] * num_heads + heads[None, :], mask=mask, other=0.0
+    total, before, grad_cum_from = _segment_sums(
+        dt_ptr, grad_cum_ptr, A, start, length, first, heads, head_mask, num_heads,
+        stride_dt_t, stride_dt_h, True, SUM_T, BLOCK_H,
+    )  # fmt: skip
+    # sum_{t < first} g_te[t], with cum recomputed over the tokens before the piece.
+    grad_to_end_before = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    cum_before = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    for offset in range(0, first, SUM_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, first, heads, head_mask,
+                                             stride_dt_t, stride_dt_h, SUM_T)  # fmt: skip
+        cum = tl.cumsum(a, axis=0) + cum_before[None, :]
+        decay = tl.exp((total[None, :] - cum).to(tl.float32))
+        grad_weight = tl.load(
+            grad_weight_ptr + tokens[:, None] * num_heads + heads[None, :], mask=mask, other=0.0
         )
-        grad_cum_total += tl.sum(grad_cum.to(tl.float64), axis=0)
-    # d a[u] at the segment's first token; the loop adds the prefixes of later tokens.
+        grad_to_end_before += tl.sum((grad_weight * decay * dt).to(tl.float64), axis=0)
+        cum_before += tl.sum(a, axis=0)
     grad_cum_end = tl.load(
         grad_cum_end_ptr + segment * num_heads + heads, mask=head_mask, other=0.0
     )
-    carry = grad_cum_total + grad_cum_end.to(tl.float64)
-    cum_before = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    # d a[u] at the piece's first token; the loop adds the prefixes of later tokens.
+    carry = grad_cum_from + grad_to_end_before + grad_cum_end.to(tl.float64)
+    cum_before = before
     grad_A = tl.zeros((BLOCK_H,), dtype=tl.float64)
-    for offset in range(0, length, BLOCK_T):
-        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+    for offset in range(first, end, BLOCK_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, end, heads, head_mask,
                                              stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
         index = tokens[:, None] * num_heads + heads[None, :]
         cum = tl.cumsum(a, axis=0) + cum_before[None, :]
@@ -457,7 +487,9 @@ def _segment_decay_bwd_kernel(
         carry += tl.sum(step, axis=0)
         cum_before += tl.sum(a, axis=0)
     tl.store(
-        grad_A_partial_ptr + segment * num_heads + heads, grad_A.to(tl.float32), mask=head_mask
+        grad_A_partial_ptr + tl.program_id(0) * num_heads + heads,
+        grad_A.to(tl.float32),
+        mask=head_mask,
     )
 
 
@@ -598,50 +630,101 @@ def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
     return out
 
 
-# Tokens per step and heads per program of the segment walk. Its time is the serial walk of the
-# longest segment: on an H200 (64 heads, a 4096-token prompt) 128 x 4 took 0.2 ms forward and
-# backward, 64 x 16 0.4 ms.
+# Tokens per step and heads per program of the segment walk: on an H200 (64 heads, a 4096-token
+# prompt walked whole by one program) 128 x 4 took 0.2 ms forward and backward, 64 x 16 0.4 ms.
 DECAY_BLOCK_T = 128
 DECAY_BLOCK_H = 4
+DECAY_SUM_T = 512  # tokens per step of the sums over a whole segment
+DECAY_PIECES = 8  # pieces of the longest segment: each of its programs reads the whole segment
 
 
-def segment_decay(dt, A, segment_starts, segment_lengths):
+def piece_table(segment_lengths) -> np.ndarray:
+    """[3, pieces] int32 (segment, first token, end token counted from the segment's start) of the
+    segments of ``segment_lengths`` (host ints) cut into pieces of one length for the whole row, a
+    multiple of DECAY_BLOCK_T that cuts the longest segment into at most DECAY_PIECES; an empty
+    segment gets one empty piece (its cum_end is still written).
+
+    One length for the row: the walk takes the time of the longest segment's programs, so shorter
+    segments are cut no finer (each of a segment's programs reads the whole segment)."""
+    lengths = np.asarray(segment_lengths, dtype=np.int64)
+    longest = int(lengths.max(initial=0))
+    piece = max(-(-longest // (DECAY_PIECES * DECAY_BLOCK_T)), 1) * DECAY_BLOCK_T
+    counts = -(-np.maximum(lengths, 1) // piece)
+    segment = np.repeat(np.arange(len(lengths)), counts)
+    first = (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)) * piece
+    end = np.minimum(first + piece, lengths[segment])
+    return np.stack([segment, first, end]).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPieces:
+    """The segments of a forest row and the pieces the segment walk splits them into (built once
+    per forest, cached on it).
+
+    Why pieces: the walk's sums run serially over a segment's tokens, so one program per segment
+    takes the time of the longest segment (a 4096-token prompt: 64 steps forward and as many
+    backward).
+    With one program per piece, a program first sums its whole segment in long steps (reading
+    only dt), then walks its piece alone.
+
+    Attributes: starts, lengths [segments] int64 (the forest's); pieces [3, NP] int32
+    (:func:`piece_table`).
+    """
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    pieces: torch.Tensor
+
+    @classmethod
+    def of(cls, forest: ForestTensors) -> "SegmentPieces":
+        """The pieces of ``forest``'s segments (built on first use, cached on it)."""
+        return forest.derive(
+            ("segment_pieces", DECAY_BLOCK_T, DECAY_PIECES),
+            lambda: cls(
+                forest.segment_starts,
+                forest.segment_lengths,
+                host_to_device(piece_table(forest.layout.segment_lengths), forest.device),
+            ),
+        )
+
+
+def segment_decay(dt, A, segments: SegmentPieces):
     """(cum [T, H], input_weight [T, H], cum_end [S, H]), float32, of (1)-(2) in tree_scan.py.
 
     With a = dt * A summed in float64 within each segment: cum[t] = the sum up to t, cum_end = the
-    segment's sum, input_weight[t] = exp(cum_end - cum[t]) * dt[t]. One program per (segment,
-    head block) walks its segment (no [T, H] float64 temporaries, no gathers).
+    segment's sum, input_weight[t] = exp(cum_end - cum[t]) * dt[t]. One program per (piece, head
+    block) (no [T, H] float64 temporaries, no gathers).
 
-    Inputs: dt [T, H] float32 (processed step sizes), A [H] float32, segment_starts and
-    segment_lengths [S] int64 covering every token.
+    Inputs: dt [T, H] float32 (processed step sizes), A [H] float32, the row's segments (covering
+    every token) and their pieces.
     """
     length, heads = dt.shape
-    segments = segment_starts.shape[0]
+    num_pieces = segments.pieces.shape[1]
     cum = torch.empty(length, heads, dtype=torch.float32, device=dt.device)
     weight = torch.empty_like(cum)
-    cum_end = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
-    _segment_decay_fwd_kernel[(segments, triton.cdiv(heads, DECAY_BLOCK_H))](
-        cum, weight, cum_end, dt, A, segment_starts, segment_lengths, heads, *dt.stride(),
-        BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+    cum_end = torch.empty(segments.starts.shape[0], heads, dtype=torch.float32, device=dt.device)
+    _segment_decay_fwd_kernel[(num_pieces, triton.cdiv(heads, DECAY_BLOCK_H))](
+        cum, weight, cum_end, dt, A, segments.starts, segments.lengths, segments.pieces,
+        num_pieces, heads, *dt.stride(),
+        BLOCK_T=DECAY_BLOCK_T, SUM_T=DECAY_SUM_T, BLOCK_H=DECAY_BLOCK_H,
     )  # fmt: skip
     return cum, weight, cum_end
 
 
-def segment_decay_backward(
-    grad_cum, grad_weight, grad_cum_end, dt, A, segment_starts, segment_lengths, *, grad_dt
-):
+def segment_decay_backward(grad_cum, grad_weight, grad_cum_end, dt, A, segments, *, grad_dt):
     """Gradients of :func:`segment_decay` given those of its outputs (contiguous [T, H], [T, H]
     and [S, H] float32; grad_cum_end may be None, zero): d dt is added to grad_dt ([T, H]
     float32) in place; returns d A [H] float32."""
     heads = dt.shape[1]
-    segments = segment_starts.shape[0]
+    num_pieces = segments.pieces.shape[1]
     if grad_cum_end is None:
-        grad_cum_end = torch.zeros(segments, heads, device=dt.device)
-    grad_A_partial = torch.empty(segments, heads, dtype=torch.float32, device=dt.device)
-    _segment_decay_bwd_kernel[(segments, triton.cdiv(heads, DECAY_BLOCK_H))](
+        grad_cum_end = torch.zeros(segments.starts.shape[0], heads, device=dt.device)
+    grad_A_partial = torch.empty(num_pieces, heads, dtype=torch.float32, device=dt.device)
+    _segment_decay_bwd_kernel[(num_pieces, triton.cdiv(heads, DECAY_BLOCK_H))](
         grad_dt, grad_A_partial, grad_cum, grad_weight, grad_cum_end,
-        dt, A, segment_starts, segment_lengths, heads, *dt.stride(), *grad_dt.stride(),
-        BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+        dt, A, segments.starts, segments.lengths, segments.pieces,
+        num_pieces, heads, *dt.stride(), *grad_dt.stride(),
+        BLOCK_T=DECAY_BLOCK_T, SUM_T=DECAY_SUM_T, BLOCK_H=DECAY_BLOCK_H,
     )  # fmt: skip
     return grad_A_partial.sum(0)
 
@@ -688,14 +771,13 @@ class ForkedStates:
     instead of as zero-filled activation-sized tensors that autograd sums with the scan's, and
     the corrected output is the scan's own, not a copy.
 
-    Attributes: segment_starts, segment_lengths [segments] int64; own and children, the token
-    tables of every internal segment's own tokens and of its children's tokens (slot = its index
-    among the internal segments); slot_segment, slot_parent [S] int64 and has_parent_slots, the
-    chain's tables (``TreeScanPlan``).
+    Attributes: segments, the row's segments and their pieces (the segment walk's table); own
+    and children, the token tables of every internal segment's own tokens and of its children's
+    tokens (slot = its index among the internal segments); slot_segment, slot_parent [S] int64
+    and has_parent_slots, the chain's tables (``TreeScanPlan``).
     """
 
-    segment_starts: torch.Tensor
-    segment_lengths: torch.Tensor
+    segments: SegmentPieces
     own: TokenBlocks
     children: TokenBlocks
     slot_segment: torch.Tensor
@@ -706,8 +788,7 @@ class ForkedStates:
     def of(cls, forest: ForestTensors, plan) -> "ForkedStates":
         """The forked states of ``forest`` given its ``TreeScanPlan`` (tables cached on it)."""
         return cls(
-            segment_starts=forest.segment_starts,
-            segment_lengths=forest.segment_lengths,
+            segments=SegmentPieces.of(forest),
             own=TokenBlocks.of(
                 forest,
                 "internal segment tokens",
@@ -729,7 +810,7 @@ class ForkedStates:
         The [T, H] log-decays and input weights are not kept: backward recomputes them, the same
         bits, with one launch of the segment walk, rather than keep 8 bytes per token and head.
         """
-        cum, weight, cum_end = segment_decay(dt, A, self.segment_starts, self.segment_lengths)
+        cum, weight, cum_end = segment_decay(dt, A, self.segments)
         ends = state_sum(x, None, B, weight, self.own, exp_weight=False)
         if self.has_parent_slots:
             ends = chain_states(ends, cum_end, self.slot_segment, self.slot_parent)
@@ -743,7 +824,7 @@ class ForkedStates:
         corrected output's gradient; saved: what :meth:`forward` returned. Returns d A [H]
         float32, to be added to the scan's."""
         (ends,) = saved
-        cum, weight, cum_end = segment_decay(dt, A, self.segment_starts, self.segment_lengths)
+        cum, weight, cum_end = segment_decay(dt, A, self.segments)
         grad_cum = token_grad(
             grad_y, z, C, cum, ends, self.children, exp_weight=True, grad_C=grad_C, grad_z=grad_z
         )
@@ -763,7 +844,6 @@ class ForkedStates:
             grad_cum_end,
             dt,
             A,
-            self.segment_starts,
-            self.segment_lengths,
+            self.segments,
             grad_dt=grad_dt,
         )

@@ -86,6 +86,8 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
         triton_inherited_state.SPLIT_BLOCKS = 3
         triton_inherited_state.DECAY_BLOCK_T = 16
         triton_inherited_state.DECAY_BLOCK_H = 2
+        triton_inherited_state.DECAY_SUM_T = 128  # pieces of 64 tokens start inside a sum block
+        triton_inherited_state.DECAY_PIECES = 3
     row = forest(device)
     assert tree_scan.TreeScanPlan.of(row).has_parent_slots  # the chain runs
     torch.manual_seed(0)
@@ -154,6 +156,42 @@ def test_token_blocks_cover_every_token_once_in_order():
         first, end = tables.slot_splits[:, slot].tolist()
         assert split_first[first] == blocks[0] and split_end[end - 1] == blocks[-1] + 1
         np.testing.assert_array_equal(split_first[first + 1 : end], split_end[first : end - 1])
+
+
+def test_segment_pieces_cover_every_token_once_in_order():
+    """The segment walk's pieces: every token of a segment in exactly one piece, in order; one
+    piece length for the row, a multiple of DECAY_BLOCK_T, that cuts the longest segment into at
+    most DECAY_PIECES (each but its last that long); one empty piece for an empty segment."""
+    from megatron.shared_prefix.ssm import triton_inherited_state as kernels
+
+    block = kernels.DECAY_BLOCK_T
+    for lengths in ([0, 1, 127, 128, 129, 1000, 1024, 1025, 4096, 5], [3], [32768, 64, 2048]):
+        segment, first, end = kernels.piece_table(lengths)
+        assert np.all(np.diff(segment) >= 0)
+        not_last = np.append(segment[1:] == segment[:-1], False)
+        sizes = set((end - first)[not_last].tolist())
+        assert len(sizes) <= 1, sizes  # one length for the row
+        piece = sizes.pop() if sizes else None
+        longest = max(lengths)
+        if piece is None:
+            assert len(segment) == len(lengths) and longest <= block * kernels.DECAY_PIECES
+        else:
+            assert piece % block == 0
+            assert -(-longest // piece) <= kernels.DECAY_PIECES
+            assert piece == block or -(-longest // (piece - block)) > kernels.DECAY_PIECES
+        for index, length in enumerate(lengths):
+            mine = segment == index
+            starts, ends = first[mine], end[mine]
+            assert starts[0] == 0 and ends[-1] == length
+            np.testing.assert_array_equal(starts[1:], ends[:-1])
+            assert length == 0 or (ends > starts).all()
+            assert len(starts) == 1 or length > ends[0]
+    row = forest("cpu")
+    pieces = kernels.SegmentPieces.of(row)
+    assert pieces is kernels.SegmentPieces.of(row)  # cached on the forest
+    np.testing.assert_array_equal(
+        pieces.pieces.numpy(), kernels.piece_table(row.layout.segment_lengths)
+    )
 
 
 @pytest.mark.gpu

@@ -324,13 +324,13 @@ def test_segment_decay_recompute_replay(row):
     outputs, gives the same cum, input weights and segment ends on every run, with a second stream
     busy a different amount each time."""
     # pylint: disable-next=import-outside-toplevel
-    from megatron.shared_prefix.ssm.triton_inherited_state import segment_decay
+    from megatron.shared_prefix.ssm.triton_inherited_state import SegmentPieces, segment_decay
 
     forest = FORESTS[row]("cuda")
 
     def make_inputs():
         dt = torch.rand(forest.num_tokens, HEADS, device="cuda") * 0.2 + 0.01
         A = -torch.rand(HEADS, device="cuda") - 0.5
-        return dt, A, forest.segment_starts, forest.segment_lengths
+        return dt, A, SegmentPieces.of(forest)
 
     assert_bitwise_replay(segment_decay, make_inputs, concurrent_stream_work=True)
