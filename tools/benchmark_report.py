@@ -23,16 +23,27 @@ def use_deterministic_mamba_ssm():
     os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
 
 
-def cuda_time_ms(fn, repeats: int, warmup: int = 3) -> float:
+# Cycles of the sleep kernel that holds the GPU while the timed runs are queued (``host_ahead``):
+# 0.5-0.7 s at a 1.5-2 GHz clock, longer than the host takes to queue ten forward+backward runs of
+# one layer (10-15 ms each for a Mamba layer on the benchmark's rows).
+HOST_AHEAD_CYCLES = 10**9
+
+
+def cuda_time_ms(fn, repeats: int, warmup: int = 3, *, host_ahead: bool = False) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA events).
 
     The runs are queued back to back with one synchronization at the end, as in a training loop, so
     each pair of events times the GPU work of one run, not the host's time to launch it (which
-    overlaps the previous run's GPU work when the host is ahead).
+    overlaps the previous run's GPU work when the host is ahead). Where queuing a run takes the
+    host longer than the GPU takes to run it, the GPU waits between kernels and the events time
+    the host instead; ``host_ahead`` queues a sleep kernel first (``HOST_AHEAD_CYCLES``), so that
+    the runs are all queued before the GPU reaches them and the events time the GPU's work alone.
     """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    if host_ahead:
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)  # pylint: disable=protected-access
     events = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
