@@ -630,8 +630,9 @@ def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
     return out
 
 
-# Tokens per step and heads per program of the segment walk: on an H200 (64 heads, a 4096-token
-# prompt walked whole by one program) 128 x 4 took 0.2 ms forward and backward, 64 x 16 0.4 ms.
+# Tokens per step and heads per program of the segment walk, from a sweep of the walk before it
+# was cut into pieces (H200, 64 heads, a 4096-token prompt walked whole by one program): 128 x 4
+# took 0.2 ms forward and backward, 64 x 16 0.4 ms.
 DECAY_BLOCK_T = 128
 DECAY_BLOCK_H = 4
 DECAY_SUM_T = 512  # tokens per step of the sums over a whole segment
@@ -663,9 +664,8 @@ class SegmentPieces:
 
     Why pieces: the walk's sums run serially over a segment's tokens, so one program per segment
     takes the time of the longest segment (a 4096-token prompt: 64 steps forward and as many
-    backward).
-    With one program per piece, a program first sums its whole segment in long steps (reading
-    only dt), then walks its piece alone.
+    backward). With one program per piece, a program first sums its whole segment in long steps
+    (reading only dt), then walks its piece alone.
 
     Attributes: starts, lengths [segments] int64 (the forest's); pieces [3, NP] int32
     (:func:`piece_table`).
