@@ -296,12 +296,17 @@ def model_pattern(name, args):
 
 
 def build_model(pattern, args, device):
-    """SharedPrefixHybridModel of ``pattern`` (seed 0) on ``device``."""
+    """SharedPrefixHybridModel of ``pattern`` (seed 0) on ``device``, every parameter bf16.
+
+    A Megatron ``--bf16`` run wraps the model in Float16Module, which casts every parameter to
+    bf16; ``params_dtype`` alone leaves the RMSNorm weights, A_log and D float32, and a bf16 input
+    with a float32 norm weight takes PyTorch's unfused RMSNorm.
+    """
     from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
 
     config = model_config(pattern, args.hidden, args.heads, args.query_groups)
     torch.manual_seed(0)
-    return SharedPrefixHybridModel(
+    model = SharedPrefixHybridModel(
         config,
         hybrid_stack_spec=hybrid_stack_spec(
             config.num_moe_experts, attention_backend=getattr(args, "attention_backend", "auto")
@@ -311,7 +316,8 @@ def build_model(pattern, args, device):
         hybrid_layer_pattern=pattern,
         position_embedding_type="rope",
         shared_prefix_output_chunk_tokens=getattr(args, "output_chunk_tokens", 0),
-    ).to(device)
+    )
+    return model.to(device).bfloat16()
 
 
 def _synchronize(device):

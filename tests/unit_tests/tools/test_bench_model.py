@@ -129,6 +129,8 @@ def test_mtp_option_builds_the_mtp_model(tool, megatron_world):
     assert config.num_layers == len(tool.PATTERNS["moe"]) and config.mtp_num_layers == 2
     assert tool.model_config(tool.PATTERNS["moe"], 256, 4, 2).mtp_num_layers is None
     model = tool.build_model("M*/*-", args, "cpu")
+    # as Float16Module casts a --bf16 model: the norms' weights, A_log and D included
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]]
     masks = [np.arange(len(s)) >= 2 for s in sequences]
     tool.forest_step(model, plan_shared_prefix(sequences, masks, capacity=16).rows)()
