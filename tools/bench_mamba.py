@@ -156,7 +156,9 @@ def build_mixer(args, dtype):
         chunk_size=args.chunk,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"]),
     )
-    return mixer.to(args.device)
+    # every parameter in ``dtype``, A_log, D and the gated norm's weight included, as
+    # Float16Module casts a --bf16 model
+    return mixer.to(args.device, dtype)
 
 
 class LevelwiseFork:

@@ -497,6 +497,12 @@ RULES = (
         None,
         "tests the whole-model benchmark's baselines, which stay here with the tool",
     ),
+    Rule(
+        "tests/unit_tests/tools/test_bench_mamba.py",
+        None,
+        None,
+        "tests the Mamba mixer benchmark's model, which stays here with the tool",
+    ),
 )
 
 # Inserted into upstream's pretrain_hybrid.py before its imports (and the whole file where the base
