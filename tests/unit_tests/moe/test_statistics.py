@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.shared_prefix.moe.statistics import forest_routing_tables, weighted_expert_counts
+from megatron.shared_prefix.moe.statistics import (
+    _sorted_ranges,
+    forest_routing_tables,
+    weighted_expert_counts,
+)
 from megatron.shared_prefix.tensors import ForestTensors
 
 from .forests import random_rows, root_paths, shared_padded_row
@@ -72,6 +76,23 @@ def test_tables_match_brute_force(seed):
         ones = torch.ones(len(paths), dtype=torch.int64)
         assert torch.equal(tables.sum_over_sequences_through(ones), tables.multiplicity)
         assert tables.num_dense_tokens == sum(len(p) for p in paths)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sorted_ranges_select_the_keys_between_the_bounds(seed):
+    """order[start:stop] holds exactly the items with lower <= key < upper, in stable key order,
+    with repeated keys, unused values and bounds at both ends of the range."""
+    rng = np.random.default_rng(seed)
+    num_values = int(rng.integers(1, 40))
+    keys = rng.integers(0, num_values, size=int(rng.integers(1, 60)))
+    lower = rng.integers(0, num_values + 1, size=30)
+    upper = np.maximum(lower, rng.integers(0, num_values + 1, size=30))
+    order, start, stop = _sorted_ranges(keys, lower, upper, num_values)
+    assert order.tolist() == sorted(range(len(keys)), key=lambda i: keys[i])
+    for low, high, first, end in zip(lower, upper, start, stop):
+        assert sorted(order[first:end].tolist()) == [
+            i for i, key in enumerate(keys) if low <= key < high
+        ]
 
 
 def test_tables_are_cached_per_forest():
