@@ -503,6 +503,12 @@ RULES = (
         None,
         "tests the Mamba mixer benchmark's model, which stays here with the tool",
     ),
+    Rule(
+        "tests/unit_tests/tools/conftest.py",
+        None,
+        None,
+        "loads the benchmarks for their tests, which stay here with the tools",
+    ),
 )
 
 # Inserted into upstream's pretrain_hybrid.py before its imports (and the whole file where the base

@@ -1,6 +1,5 @@
 """tools/bench_model.py: its packed dense baseline computes the tree's losses, and its ideal."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,15 +16,8 @@ TOOLS = Path(__file__).resolve().parents[3] / "tools"
 
 
 @pytest.fixture(scope="module")
-def tool():
-    sys.path.insert(0, str(TOOLS))  # the tool imports benchmark_report as a script does
-    try:
-        spec = importlib.util.spec_from_file_location("bench_model", TOOLS / "bench_model.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(TOOLS))
-    return module
+def tool(load_tool):
+    return load_tool("bench_model")
 
 
 def _batch(forest_sequences):
