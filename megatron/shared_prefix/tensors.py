@@ -119,6 +119,16 @@ def _subtree_token_end(layout: ForestLayout) -> np.ndarray:
     return end
 
 
+def _distinct_sources(edge_source: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """([U] distinct source tokens, ascending; [E] index of each edge's source among them): what
+    ``np.unique(edge_source, return_inverse=True)`` gives, from a presence table over the row's
+    tokens instead of a sort (a quarter of the host time on 16K edges)."""
+    present = np.zeros(num_tokens, dtype=bool)
+    present[edge_source] = True
+    slot = np.cumsum(present) - 1
+    return np.flatnonzero(present), slot[edge_source]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ForestTensors:
     """One forest row on a device.
@@ -157,7 +167,7 @@ class ForestTensors:
     @classmethod
     def from_layout(cls, layout: ForestLayout, device: torch.device | str) -> "ForestTensors":
         """Copy the layout and its derived tables to ``device`` (one host-to-device transfer)."""
-        unique_source, source_slot = np.unique(layout.edge_source, return_inverse=True)
+        unique_source, source_slot = _distinct_sources(layout.edge_source, layout.num_tokens)
         token_subtree_end = _subtree_token_end(layout)[layout.token_segment]
         tables = {
             "input_ids": layout.tokens,
@@ -169,7 +179,7 @@ class ForestTensors:
             "segment_parents": layout.segment_parents,
             "token_multiplicity": layout.token_multiplicity,
             "edge_unique_source": unique_source,
-            "edge_source_slot": source_slot.reshape(-1),
+            "edge_source_slot": source_slot,
             "edge_target": layout.edge_target,
         }
         on_device = hosts_to_device(

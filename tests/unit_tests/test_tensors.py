@@ -40,6 +40,19 @@ def test_subtree_end_is_the_tree_mask(forest_sequences):
     np.testing.assert_array_equal((k <= q) & (q < end[k]), tree_attention_allow_mask(layout))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_edge_sources_are_the_distinct_sources_and_each_edges_slot(forest_sequences, seed):
+    """edge_unique_source holds each loss edge's source once, ascending, and edge_source_slot
+    points every edge at its own source (sources shared by several sequences included)."""
+    sequences = forest_sequences(seed=seed, depth=3)
+    masks = [np.arange(len(s)) >= 1 for s in sequences]
+    layout = plan_shared_prefix(sequences, masks, capacity=512).rows[0]
+    forest = ForestTensors.from_layout(layout, "cpu")
+    assert forest.edge_unique_source.tolist() == sorted(set(layout.edge_source.tolist()))
+    assert len(layout.edge_source) > len(forest.edge_unique_source)  # some sources are shared
+    assert forest.edge_unique_source[forest.edge_source_slot].tolist() == layout.edge_source.tolist()
+
+
 def test_root_path_predecessors_follow_the_root_path(forest_sequences):
     layout = plan_shared_prefix(forest_sequences(seed=12, depth=3), capacity=512).rows[0]
     table = ForestTensors.from_layout(layout, "cpu").root_path_predecessors(3).numpy()
