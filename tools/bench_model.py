@@ -317,7 +317,7 @@ def build_model(pattern, args, device):
         position_embedding_type="rope",
         shared_prefix_output_chunk_tokens=getattr(args, "output_chunk_tokens", 0),
     )
-    return model.to(device).bfloat16()
+    return model.to(device, torch.bfloat16)
 
 
 def _synchronize(device):

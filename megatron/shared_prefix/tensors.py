@@ -122,7 +122,7 @@ def _subtree_token_end(layout: ForestLayout) -> np.ndarray:
 def _distinct_sources(edge_source: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """([U] distinct source tokens, ascending; [E] index of each edge's source among them): what
     ``np.unique(edge_source, return_inverse=True)`` gives, from a presence table over the row's
-    tokens instead of a sort (a quarter of the host time on 16K edges)."""
+    tokens instead of a sort (0.07-0.09 against 0.27-0.28 ms on 16K edges, CPU)."""
     present = np.zeros(num_tokens, dtype=bool)
     present[edge_source] = True
     slot = np.cumsum(present) - 1
