@@ -11,6 +11,10 @@ on a forest runs all experts as two grouped GEMMs whose group boundaries are rea
 (``torch.nn.functional.grouped_mm``): nothing waits for the GPU. Per token it computes what the
 expert's MLP computes (fc1, activation or gated linear unit, the routing probability, fc2, in the
 same order and dtypes); only the GEMM kernel differs.
+
+The grouped GEMM needs the experts' weights stacked into one [E, out, in] tensor. Autograd through
+``torch.stack`` would keep that copy until the backward (all local experts' fc1 and fc2 weights, per
+MoE layer and micro-batch); :class:`StackedExpertsLinear` stacks them again in the backward instead.
 """
 
 import torch
@@ -62,13 +66,48 @@ def grouped_mm_supports(x: torch.Tensor) -> bool:
     )
 
 
+class StackedExpertsLinear(torch.autograd.Function):
+    """``x @ weights[e].T`` for the rows of each expert ``e``, as one grouped GEMM that keeps no
+    stacked copy of the weights for the backward.
+
+    Forward: ``x`` [N, in] sorted by expert, ``offsets`` [E] int32 (the end row of each expert's
+    group), one weight [out, in] per expert; returns [N, out]. The weights are stacked for the GEMM
+    and the stack is freed with the forward; the backward stacks them again (one copy of E x out x
+    in elements) rather than holding it from forward to backward.
+
+    The gradients are those autograd gives ``grouped_mm(x, torch.stack(weights).transpose(1, 2),
+    offs=offsets)``: the same grouped GEMMs on operands of the same layouts (PyTorch's derivative
+    of a grouped GEMM picks its operands by the inputs' strides), so the two agree bitwise.
+    """
+
+    @staticmethod
+    def forward(ctx, x, offsets, *weights):  # pylint: disable=arguments-differ
+        x = x.contiguous()  # row-major: the layout whose input gradient is grad @ W
+        ctx.save_for_backward(x, offsets, *weights)
+        return grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # pylint: disable=arguments-differ
+        x, offsets, *weights = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grouped_mm(grad_output, torch.stack(weights), offs=offsets)
+        if any(ctx.needs_input_grad[2:]):
+            # [E, out, in]: each expert's rows of grad_output^T @ x.
+            grad_weights = grouped_mm(grad_output.t(), x, offs=offsets).unbind(0)
+        else:
+            grad_weights = (None,) * len(weights)
+        return grad_x, None, *grad_weights
+
+
 class ForestSequentialMLP(SequentialMLP):
     """SequentialMLP that, on a forest, runs its experts as grouped GEMMs without a host sync.
 
     Without a forest in scope, or with a setting :func:`grouped_experts_errors` names, the forward
     is SequentialMLP's. Parameters stay the experts' own (``local_experts.<i>.linear_fc1.weight``
-    [ffn, hidden], ``linear_fc2.weight`` [hidden, ffn]): they are stacked per call, so state dicts,
-    distributed checkpoints and optimizer state are SequentialMLP's.
+    [ffn, hidden], ``linear_fc2.weight`` [hidden, ffn]): they are stacked per call
+    (:class:`StackedExpertsLinear`), so state dicts, distributed checkpoints and optimizer state are
+    SequentialMLP's.
     """
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
@@ -88,12 +127,12 @@ class ForestSequentialMLP(SequentialMLP):
         if current_forest() is None or self.grouped_errors or not grouped_mm_supports(x):
             return super().forward(x, tokens_per_expert, permuted_probs)
         offsets = tokens_per_expert.to(x.device, non_blocking=True).cumsum(0).to(torch.int32)
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])
-        intermediate = grouped_mm(x, fc1.transpose(1, 2), offs=offsets)  # [N, ffn (x2 if gated)]
+        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
+        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
+        intermediate = StackedExpertsLinear.apply(x, offsets, *fc1)  # [N, ffn (x2 if gated)]
         intermediate = self._activation(intermediate)
         intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_mm(intermediate, fc2.transpose(1, 2), offs=offsets), None
+        return StackedExpertsLinear.apply(intermediate, offsets, *fc2), None
 
     def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
         """The expert MLP's unfused activation (megatron-core's MLP.forward without fusion)."""

@@ -87,9 +87,13 @@ def test_forest_layer_matches_stock_layer(megatron_world, monkeypatch, settings)
 
     calls = _count_grouped_mm(monkeypatch)
     out, grad_in, grads = _forward_backward(tree, hidden, forest, probe)
-    assert calls == [layout.num_tokens * config.moe_router_topk] * 2  # fc1 and fc2, once each
+    routed = layout.num_tokens * config.moe_router_topk
+    # fc1 and fc2 once each, then per layer (fc2 first) one GEMM for the input's gradient and one
+    # for the weights' (whose first operand is grad_output^T: out-features rows).
+    fc1_out = config.moe_ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+    assert calls == [routed, routed, routed, config.hidden_size, routed, fc1_out]
     stock_out, stock_grad_in, stock_grads = _forward_backward(stock, hidden, forest, probe)
-    assert len(calls) == 2  # the stock layer ran SequentialMLP's loop
+    assert len(calls) == 6  # the stock layer ran SequentialMLP's loop
 
     if settings["num_moe_experts"] == 16:
         routed = torch.zeros(16, dtype=torch.bool)
@@ -105,6 +109,74 @@ def test_forest_layer_matches_stock_layer(megatron_world, monkeypatch, settings)
             assert relative_error(grad, expected) < 1e-6, name
         else:  # an expert no token reached: zero gradients in both
             assert torch.equal(grad, expected), name
+
+
+def _expert_operands(device, dtype, in_features=24, out_features=40):
+    """Rows sorted by expert for 4 experts, the third with no row, and one weight per expert."""
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.tensor([7, 12, 0, 5])
+    x = torch.randn(int(counts.sum()), in_features, generator=generator).to(device, dtype)
+    weights = [
+        torch.randn(out_features, in_features, generator=generator).to(device, dtype)
+        for _ in counts
+    ]
+    probe = torch.randn(x.shape[0], out_features, generator=generator).to(device, dtype)
+    return x, counts.cumsum(0).to(device, torch.int32), weights, probe
+
+
+def _grouped_linear_forward_backward(linear, x, offsets, weights, probe):
+    x = x.detach().clone().requires_grad_()
+    weights = [w.detach().clone().requires_grad_() for w in weights]
+    output = linear(x, offsets, weights)
+    output.backward(probe)
+    return output.detach(), x.grad, [w.grad for w in weights]
+
+
+def _through_stack(x, offsets, weights):
+    from megatron.shared_prefix.moe.experts import grouped_mm
+
+    return grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+
+def _stacked_experts_linear(x, offsets, weights):
+    from megatron.shared_prefix.moe.experts import StackedExpertsLinear
+
+    return StackedExpertsLinear.apply(x, offsets, *weights)
+
+
+def _assert_stacked_linear_matches_autograd_through_stack(device, dtype):
+    operands = _expert_operands(device, dtype)
+    expected = _grouped_linear_forward_backward(_through_stack, *operands)
+    actual = _grouped_linear_forward_backward(_stacked_experts_linear, *operands)
+    assert torch.equal(actual[0], expected[0])
+    assert torch.equal(actual[1], expected[1])
+    assert all(torch.equal(a, e) for a, e in zip(actual[2], expected[2], strict=True))
+    assert not actual[2][2].any() and actual[2][0].any()  # the empty expert's gradient is zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_experts_linear_matches_autograd_through_stack(dtype):
+    """Output, input and weight gradients bitwise those of autograd through torch.stack."""
+    _assert_stacked_linear_matches_autograd_through_stack("cpu", dtype)
+
+
+def _saved_storages(linear, x, offsets, weights):
+    """The storages (data pointers) autograd keeps for the backward of linear's forward."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t
+    ):
+        linear(x.requires_grad_(), offsets, [w.requires_grad_() for w in weights])
+    return set(saved)
+
+
+def test_stacked_experts_linear_keeps_no_stacked_weights():
+    """Its backward keeps only the input, the offsets and the weights themselves; autograd through
+    torch.stack keeps a stacked copy besides (what the function exists to drop)."""
+    x, offsets, weights, _ = _expert_operands("cpu", torch.float32)
+    own = {t.untyped_storage().data_ptr() for t in (x, offsets, *weights)}
+    assert _saved_storages(_stacked_experts_linear, x, offsets, weights) <= own
+    assert _saved_storages(_through_stack, x, offsets, weights) - own
 
 
 def test_dispatcher_returns_the_stock_permutation(megatron_world):
@@ -204,3 +276,12 @@ def test_forest_layer_on_cuda_never_waits_for_the_gpu(megatron_world):
     stock_out, stock_grad_in, _ = _forward_backward(stock, hidden, forest, probe)
     assert relative_error(first[0], stock_out) < 2e-2
     assert relative_error(first[1], stock_grad_in) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stacked_experts_linear_on_cuda_matches_autograd_through_stack():
+    """bf16 on CUDA, where the grouped GEMM's kernel depends on its operands' layouts."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's grouped GEMM needs compute capability 8.0")
+    _assert_stacked_linear_matches_autograd_through_stack("cuda", torch.bfloat16)
