@@ -59,6 +59,7 @@ backward tiles 64/128 with 8 warps: 9.0; 32/128 with 4 warps: 23.3).
 import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from megatron.shared_prefix.tensors import ForestTensors, hosts_to_device
 
@@ -90,6 +91,19 @@ def bucket_length(num_tokens: int) -> int:
     return -(-num_tokens // step) * step
 
 
+# Grouped-query attention: FlexAttention's enable_gqa backward gives each key block of a group one
+# program that walks the queries of every head of the group in turn. In a tree the prompt's key
+# blocks are attended by every query below them, so those programs are the longest of the launch
+# by far, and the blocks of the last heads start late: the launch ends on their tail. Repeating the
+# keys and values to the query heads first gives each head its own, shorter, programs. Measured on
+# an H200 (2026-12-04, bf16, 128-dim heads, forward+backward; docs/benchmarks.md): with 32 query
+# heads over 8 groups the repeat made the tree 1-18% faster on the forests of
+# tools/bench_attention.py (10% on star P=2048, C=2048, G=8: 8.62 against 9.63 ms); with 16 heads
+# over 8 groups it was 3% faster to 2% slower, and rows with nothing shared ran up to 9% slower
+# (their programs are short either way, and the repeat copies k and v).
+REPEAT_GROUPS_FROM = 4
+
+
 def run_length(num_tokens: int) -> tuple[int, bool]:
     """(tokens FlexAttention runs a row of ``num_tokens`` at, whether a static kernel runs it).
 
@@ -100,15 +114,45 @@ def run_length(num_tokens: int) -> tuple[int, bool]:
     return length, bucket_length(length) == length
 
 
-def _flex_attention_rows(query, key, value, **kwargs):
-    """flex_attention on Megatron's [T, 1, H, D] layout: [T, 1, H * D] out.
+def repeats_groups(num_heads: int, num_groups: int) -> bool:
+    """Whether tree_attention repeats each key/value head over its ``num_heads // num_groups`` query
+    heads before the kernel (from REPEAT_GROUPS_FROM query heads per group on) instead of running
+    FlexAttention's grouped-query kernel."""
+    return num_heads // num_groups >= REPEAT_GROUPS_FROM
+
+
+def _repeated_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[T, 1, G, D] -> [T, 1, num_heads, D]: query head h gets group h // (num_heads // G), as
+    under FlexAttention's enable_gqa. An expand and one copy; its backward sums each group's
+    gradients in a fixed order (no atomics)."""
+    num_tokens, batch, num_groups, head_dim = x.shape
+    repeats = num_heads // num_groups
+    return (
+        x.unsqueeze(3)
+        .expand(num_tokens, batch, num_groups, repeats, head_dim)
+        .reshape(num_tokens, batch, num_heads, head_dim)
+    )
+
+
+def _flex_attention_rows(query, key, value, *, repeat_groups=False, **kwargs):
+    """flex_attention on Megatron's [T, 1, H, D] layout: [T, 1, H * D] out; keys and values of
+    fewer heads (G) are grouped queries, repeated to H heads first when ``repeat_groups``.
 
     Compiled as a whole, so the layout changes are inside the graph: the output leaves it, and its
     gradient enters it, contiguous in [T, 1, H * D] order. A graph whose output is FlexAttention's
     [1, H, T, D] view copies the incoming gradient into [1, H, T, D] order first (seen in the
-    generated backward of the dynamic-shape kernel).
+    generated backward of the dynamic-shape kernel). The repeat is inside the graph too, under a
+    checkpoint, so that the backward repeats k and v again: the graph otherwise kept the repeated
+    tensors for backward (on an H200, 32 query heads over 8 groups, an 18432-token row: 290 MiB
+    kept after the forward, 2.2 MiB with the checkpoint, as without the repeat; same gradients
+    bitwise, 8.36 against 8.30 ms forward+backward).
     """
     num_tokens, _, num_heads, head_dim = query.shape
+    if repeat_groups:
+        key, value = (
+            checkpoint(_repeated_heads, t, num_heads, use_reentrant=False) for t in (key, value)
+        )
+    kwargs["enable_gqa"] = key.shape[2] != num_heads
     out = flex_attention(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), **kwargs)
     return out.permute(2, 0, 1, 3).reshape(num_tokens, 1, num_heads * head_dim)
 
@@ -134,15 +178,21 @@ PRECOMPILE_MODES = ("off", "dynamic", "buckets")
 
 
 def _flex_attention_compiled(static: bool, *args, **kwargs):
-    """``_flex_attention_rows`` compiled with static or with dynamic shapes, called with Dynamo's
-    recompile limit raised to MAX_COMPILED_KERNELS (a scoped config patch) so every bucket stays
-    compiled."""
+    """``_flex_attention_rows`` compiled with static or with dynamic shapes (the dynamic one
+    specialized on the head counts, dimension 2 of q, k, v: a model's are fixed), called with
+    Dynamo's recompile limit raised to MAX_COMPILED_KERNELS (a scoped config patch) so every
+    bucket stays compiled."""
     if static not in _compiled_kernels:
         _compiled_kernels[static] = (
             torch.compile(_flex_attention_rows, dynamic=False)
             if static
             else torch.compile(_flex_attention_rows_divisible, dynamic=True)
         )
+    if not static:
+        # Only the length is dynamic: with symbolic head counts Inductor could not lower the
+        # backward of repeated groups (torch 2.11: its heads-per-group expression did not print).
+        for tensor in args[:3]:
+            torch._dynamo.mark_static(tensor, 2)  # pylint: disable=protected-access
     # pylint: disable-next=no-member,protected-access
     with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_KERNELS):
         return _compiled_kernels[static](*args, **kwargs)
@@ -273,14 +323,18 @@ def tree_attention(
     *,
     softmax_scale: float,
     compiled: bool = True,
+    repeat_groups: bool | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``torch_backend.tree_attention`` ([T, 1, H, D] in, [T, 1, H * D] out).
+    """Same contract as ``torch_backend.tree_attention`` ([T, 1, H, D] queries, [T, 1, G, D] keys
+    and values, [T, 1, H * D] out).
 
     Runs at ``run_length(T)`` tokens: q, k, v are zero-padded to a multiple of BLOCK_SIZE when T is
     not one (one copy each; none when it is), padded queries attend nothing (FlexAttention outputs
     zeros there) and are sliced off, so real positions and their gradients are those of the unpadded
     row. The block mask is built once per forest and cached on it. ``compiled=False`` runs
-    FlexAttention eagerly (its reference implementation; used on CPU in tests).
+    FlexAttention eagerly (its reference implementation; used on CPU in tests). ``repeat_groups``:
+    repeat grouped keys and values to the query heads before the kernel; None decides by
+    ``repeats_groups`` (REPEAT_GROUPS_FROM).
     """
     num_tokens, batch, num_heads, _ = query.shape
     if batch != 1 or num_tokens != forest.num_tokens:
@@ -300,8 +354,9 @@ def tree_attention(
     # every caller lets ``precompile``'s kernels serve the model's rows; the copy also frees the
     # fused projection's output, which the view would keep alive until the backward.
     q, k, v = (_padded(t.contiguous(), padded) for t in (query, key, value))
-    options = {"block_mask": block_mask, "scale": softmax_scale}
-    options["enable_gqa"] = key.shape[2] != num_heads
+    if repeat_groups is None:
+        repeat_groups = repeats_groups(num_heads, key.shape[2])
+    options = {"block_mask": block_mask, "scale": softmax_scale, "repeat_groups": repeat_groups}
     if compiled:
         out = _flex_attention_compiled(static, q, k, v, kernel_options=KERNEL_OPTIONS, **options)
     else:

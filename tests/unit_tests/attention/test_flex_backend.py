@@ -148,11 +148,15 @@ def dynamo_enabled():
 
 @pytest.mark.usefixtures("dynamo_enabled")
 @pytest.mark.parametrize("num_tokens", [130, 300, 1000])
-def test_padded_row_matches_torch_backend(forest_sequences, num_tokens):
-    """Eager FlexAttention at the bucket length (no CPU backward in FlexAttention: forward only)."""
+@pytest.mark.parametrize("groups", [2, 1], ids=["grouped-query-kernel", "repeated-groups"])
+def test_padded_row_matches_torch_backend(forest_sequences, num_tokens, groups):
+    """Eager FlexAttention at the bucket length (no CPU backward in FlexAttention: forward only);
+    4 query heads over 2 key/value heads run FlexAttention's grouped-query kernel, over 1 the key
+    and value are repeated to the query heads first."""
     assert flex_backend.run_length(num_tokens)[0] > num_tokens
+    assert flex_backend.repeats_groups(4, groups) == (groups == 1)
     forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
-    query, key, value = cpu_qkv(num_tokens, seed=num_tokens)
+    query, key, value = cpu_qkv(num_tokens, seed=num_tokens, groups=groups)
     out = flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.3, compiled=False)
     expected = torch_backend.tree_attention(query, key, value, forest, softmax_scale=0.3)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
@@ -177,12 +181,16 @@ def flex_semantics(query, key, value, *, block_mask, scale, **_):
 
 
 @pytest.mark.parametrize("num_tokens", [130, 300, 1000])
-def test_padded_row_gradients_match_torch_backend(forest_sequences, monkeypatch, num_tokens):
-    """Padding, block mask and slicing under autograd, with FlexAttention replaced by its dense
-    semantics (FlexAttention has no CPU backward; the GPU tests run the real kernel)."""
+@pytest.mark.parametrize("groups", [2, 1], ids=["grouped-query-kernel", "repeated-groups"])
+def test_padded_row_gradients_match_torch_backend(
+    forest_sequences, monkeypatch, num_tokens, groups
+):
+    """Padding, block mask, repeated groups and slicing under autograd, with FlexAttention
+    replaced by its dense semantics (FlexAttention has no CPU backward; the GPU tests run the real
+    kernel)."""
     monkeypatch.setattr(flex_backend, "flex_attention", flex_semantics)
     forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
-    query, key, value = cpu_qkv(num_tokens, seed=num_tokens, requires_grad=True)
+    query, key, value = cpu_qkv(num_tokens, seed=num_tokens, groups=groups, requires_grad=True)
     out = flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.3, compiled=False)
     expected = torch_backend.tree_attention(query, key, value, forest, softmax_scale=0.3)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
@@ -191,6 +199,53 @@ def test_padded_row_gradients_match_torch_backend(forest_sequences, monkeypatch,
     expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_repeats_groups():
+    assert flex_backend.REPEAT_GROUPS_FROM == 4
+    assert not flex_backend.repeats_groups(8, 8)  # no grouped queries
+    assert not flex_backend.repeats_groups(16, 8)
+    assert flex_backend.repeats_groups(32, 8)
+    assert flex_backend.repeats_groups(64, 8)
+    assert flex_backend.repeats_groups(8, 1)
+
+
+@pytest.mark.parametrize("repeat_groups", [None, True, False])
+def test_repeated_groups_are_what_the_kernel_gets(forest_sequences, monkeypatch, repeat_groups):
+    """8 query heads over 2 key/value heads (repeated by default): the kernel gets 8 key and value
+    heads, each query head its own group's, without enable_gqa; or 2 with enable_gqa. Outputs and
+    gradients agree either way."""
+    calls = []
+
+    def recorded(query, key, value, **kwargs):
+        calls.append((key.shape[1], value.shape[1], kwargs["enable_gqa"]))
+        return flex_semantics(query, key, value, **kwargs)
+
+    monkeypatch.setattr(flex_backend, "flex_attention", recorded)
+    num_tokens = 256
+    forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
+    query, key, value = cpu_qkv(num_tokens, seed=3, heads=8, groups=2, requires_grad=True)
+
+    def attend(repeat):
+        out = flex_backend.tree_attention(
+            query, key, value, forest, softmax_scale=0.3, compiled=False, repeat_groups=repeat
+        )
+        return (out, *torch.autograd.grad(out.square().sum(), (query, key, value)))
+
+    results = attend(repeat_groups)
+    repeated = repeat_groups in (None, True)
+    assert calls == [(8, 8, False) if repeated else (2, 2, True)]
+    expected = attend(not repeated)
+    for result, other in zip(results, expected):
+        torch.testing.assert_close(result, other, rtol=1e-5, atol=1e-6)
+
+
+def test_repeated_heads_follow_the_grouped_query_convention():
+    """Query head h reads group h // (heads // groups), as repeat_interleave and FlexAttention's
+    enable_gqa have it."""
+    x = torch.randn(5, 1, 2, 3)
+    repeated = flex_backend._repeated_heads(x, 8)  # pylint: disable=protected-access
+    assert torch.equal(repeated, x.repeat_interleave(4, dim=2))
 
 
 def test_first_tokens_backward_pads_the_gradient_in_row_order():
@@ -223,13 +278,15 @@ def _random_qkv(num_tokens, dtype, seed, heads=8, groups=2, head_dim=64):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("depth", [1, 3])
-def test_flex_matches_torch_backend_on_cuda(forest_sequences, dtype, depth):
-    """Outputs and gradients of the compiled FlexAttention path against the torch backend (float32)."""
+@pytest.mark.parametrize("depth, groups", [(1, 2), (3, 2), (3, 4)])
+def test_flex_matches_torch_backend_on_cuda(forest_sequences, dtype, depth, groups):
+    """Outputs and gradients of the compiled FlexAttention path against the torch backend
+    (float32); 8 query heads over 2 key/value heads (repeated to the query heads before the
+    kernel) or over 4 (FlexAttention's grouped-query kernel)."""
     sequences = forest_sequences(seed=depth, depth=depth, max_segment=300)
     layout = plan_shared_prefix(sequences, capacity=8192).rows[0]
     forest = ForestTensors.from_layout(layout, "cuda")
-    query, key, value = _random_qkv(layout.num_tokens, dtype, seed=depth)
+    query, key, value = _random_qkv(layout.num_tokens, dtype, seed=depth, groups=groups)
     out = flex_backend.tree_attention(query, key, value, forest, softmax_scale=0.125)
     expected = torch_backend.tree_attention(
         *(t.float() for t in (query, key, value)), forest, softmax_scale=0.125

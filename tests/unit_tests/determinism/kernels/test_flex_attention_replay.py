@@ -63,7 +63,6 @@ def _compiled_forward_backward(num_tokens, seed):
             value,
             block_mask=block_mask,
             scale=0.088,
-            enable_gqa=True,
             kernel_options=flex_backend.KERNEL_OPTIONS,
         )
         return (out, *torch.autograd.grad(out, (query, key, value), upstream))
@@ -135,29 +134,43 @@ def test_host_block_mask_keeps_the_bits_gpu(forest_sequences):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "num_tokens, expected_run, fused_value",
+    "num_tokens, expected_run, fused_value, groups",
     [
-        (4500, (4608, False), False),
-        (4608, (4608, False), False),
-        (5120, (5120, True), False),
-        (5120, (5120, True), True),
+        (4500, (4608, False), False, 2),
+        (4608, (4608, False), False, 2),
+        (5120, (5120, True), False, 2),
+        (5120, (5120, True), True, 2),
+        (4608, (4608, False), False, 4),
+        (5120, (5120, True), False, 4),
     ],
-    ids=["padded-dynamic-kernel", "dynamic-kernel", "static-kernel", "static-kernel-fused-value"],
+    ids=[
+        "padded-dynamic-kernel",
+        "dynamic-kernel",
+        "static-kernel",
+        "static-kernel-fused-value",
+        "dynamic-kernel-grouped-query-kernel",
+        "static-kernel-grouped-query-kernel",
+    ],
 )
-def test_flex_tree_attention_replay_gpu(forest_sequences, num_tokens, expected_run, fused_value):
+def test_flex_tree_attention_replay_gpu(
+    forest_sequences, num_tokens, expected_run, fused_value, groups
+):
     """``fused_value``: the value is a strided view into a larger projection output, as
-    megatron-core's is (tree_attention copies it contiguous before the kernel)."""
+    megatron-core's is (tree_attention copies it contiguous before the kernel). 8 query heads
+    over ``groups`` key/value heads: over 2 the keys and values are repeated to the query heads
+    before the kernel (``flex_backend.repeats_groups``), over 4 FlexAttention's grouped-query
+    kernel runs."""
     # Long segments, so rows span many 128-token blocks and the backward reduces across them.
     sequences = forest_sequences(seed=3, depth=3, max_segment=300)
     assert flex_backend.run_length(num_tokens) == expected_run
+    assert flex_backend.repeats_groups(8, groups) == (groups == 2)
 
     def make_inputs():
         layout = plan_shared_prefix(sequences, capacity=num_tokens, pad_multiple=num_tokens).rows[0]
-        # 8 query heads sharing 2 key/value heads, as with GQA in training; a fused value source
-        # holds 3 heads' width per group, the value the last 64.
+        # A fused value source holds 3 heads' width per group, the value the last 64.
         qkv = (
             torch.randn(layout.num_tokens, 1, heads, width, device="cuda", dtype=torch.bfloat16)
-            for heads, width in ((8, 64), (2, 64), (2, 192 if fused_value else 64))
+            for heads, width in ((8, 64), (groups, 64), (groups, 192 if fused_value else 64))
         )
         return (*(t.requires_grad_() for t in qkv), ForestTensors.from_layout(layout, "cuda"))
 
