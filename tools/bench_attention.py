@@ -24,6 +24,11 @@ For each forest it times, in one process on one GPU:
   dynamic" (``dynamic=True``: what ``torch.compile`` falls back to once a training loop has seen a
   second row length). Dynamo's caches are reset before each forest, so each forest compiles afresh
   and no cache fills up;
+* with ``--query-groups G`` (fewer key/value heads than query heads): every method runs grouped
+  queries (SDPA with ``enable_gqa``); where tree_attention repeats the keys and values to the
+  query heads before the kernel (``flex_backend.repeats_groups``), the tree and the packed dense
+  row also run on FlexAttention's grouped-query kernel ("grouped-query kernel" columns), and tree
+  / ideal vs packed flex is taken against the faster of the two packed dense runs;
 * ideal: the attention-pair ratio (query-key pairs of the dense batch / of the tree) and the token
   ratio (dense tokens / tree tokens), the speedups an exact implementation could reach; tree / ideal
   is taken against each dense baseline in turn.
@@ -33,11 +38,12 @@ Times are GPU milliseconds of one forward+backward with runs queued back to back
 that interleave the methods, then the median over rounds.
 
 Usage (writes the table into docs/benchmarks.md when --write is given):
-    python tools/bench_attention.py [--heads 32] [--head-dim 128] [--repeats 10] [--rounds 3]
-    [--write docs/benchmarks.md]
+    python tools/bench_attention.py [--heads 32] [--query-groups 32] [--head-dim 128]
+    [--repeats 10] [--rounds 3] [--write docs/benchmarks.md]
 """
 
 import argparse
+import math
 import shlex
 import statistics
 import sys
@@ -59,6 +65,7 @@ from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.tensors import ForestTensors
 
 SECTION = "Tree attention (tools/bench_attention.py)"
+GROUPED_SECTION = "Tree attention with grouped queries (tools/bench_attention.py --query-groups)"
 
 STOCK_COMPILES = {
     "flex static": lambda: torch.compile(flex_attention, dynamic=False),
@@ -99,8 +106,11 @@ def packed_dense_forest(sequences):
     return ForestTensors.from_layout(plan.rows[0], "cuda")
 
 
-def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
-    """One table row: times (ms) and ratios for the forest of ``sequences``."""
+def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds, groups=None):
+    """One table row: times (ms) and ratios for the forest of ``sequences``; ``groups`` key/value
+    heads (default ``heads``)."""
+    groups = groups or heads
+    repeated = flex_backend.repeats_groups(heads, groups)
     lengths = {len(s) for s in sequences}
     assert len(lengths) == 1, "dense baseline batches equal-length sequences"
     length = lengths.pop()
@@ -115,10 +125,10 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
         *shape, device="cuda", dtype=torch.bfloat16, requires_grad=True
     )
 
-    dense_qkv = [make(len(sequences), heads, length, head_dim) for _ in range(3)]
-    tree_qkv = [make(layout.num_tokens, 1, heads, head_dim) for _ in range(3)]
+    dense_qkv = [make(len(sequences), h, length, head_dim) for h in (heads, groups, groups)]
+    tree_qkv = [make(layout.num_tokens, 1, h, head_dim) for h in (heads, groups, groups)]
     packed = packed_dense_forest(sequences)
-    packed_qkv = [make(packed.num_tokens, 1, heads, head_dim) for _ in range(3)]
+    packed_qkv = [make(packed.num_tokens, 1, h, head_dim) for h in (heads, groups, groups)]
     torch._dynamo.reset()  # pylint: disable=protected-access
     stock_mask = create_block_mask(
         flex_backend.tree_mask_mod(forest.token_subtree_end),
@@ -132,31 +142,40 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
     def stock_attention(compiled):
         def attend(q, k, v):
             out = compiled(
-                *(t.permute(1, 2, 0, 3) for t in (q, k, v)), block_mask=stock_mask, scale=scale
+                *(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+                block_mask=stock_mask,
+                scale=scale,
+                enable_gqa=groups != heads,
             )
             return out.permute(2, 0, 1, 3).reshape(layout.num_tokens, 1, heads * head_dim)
 
         return attend
 
     def dense_sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups != heads)
+
+    def tree_attention(forest, repeat_groups=None):
+        return lambda q, k, v: flex_backend.tree_attention(
+            q, k, v, forest, softmax_scale=scale, repeat_groups=repeat_groups
+        )
 
     runs = {
         "dense SDPA": forward_backward(dense_sdpa, *dense_qkv),
         "dense SDPA deterministic": deterministic(forward_backward(dense_sdpa, *dense_qkv)),
-        "packed dense flex": forward_backward(
-            lambda q, k, v: flex_backend.tree_attention(q, k, v, packed, softmax_scale=scale),
-            *packed_qkv,
-        ),
-        "tree": forward_backward(
-            lambda q, k, v: flex_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
-            *tree_qkv,
-        ),
+        "packed dense flex": forward_backward(tree_attention(packed), *packed_qkv),
+        "tree": forward_backward(tree_attention(forest), *tree_qkv),
         **{
             key: forward_backward(stock_attention(compile_()), *tree_qkv)
             for key, compile_ in STOCK_COMPILES.items()
         },
     }
+    if repeated:
+        runs["tree grouped-query kernel"] = forward_backward(
+            tree_attention(forest, repeat_groups=False), *tree_qkv
+        )
+        runs["packed dense flex grouped-query kernel"] = forward_backward(
+            tree_attention(packed, repeat_groups=False), *packed_qkv
+        )
     runs["tree flash"] = forward_backward(
         lambda q, k, v: flash_backend.tree_attention(q, k, v, forest, softmax_scale=scale),
         *tree_qkv,
@@ -171,6 +190,19 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
     dense, tree = times["dense SDPA"], times["tree"]
     stock = {key: times[key] for key in STOCK_COMPILES}
     ideal = dense_pairs / tree_pairs
+    packed_flex = min(
+        times["packed dense flex"], times.get("packed dense flex grouped-query kernel", math.inf)
+    )
+    grouped = {}
+    if repeated:
+        grouped = {
+            "tree grouped-query kernel ms": times["tree grouped-query kernel"],
+            "tree / ideal, grouped-query kernel": (dense / times["tree grouped-query kernel"])
+            / ideal,
+            "packed dense flex grouped-query kernel ms": times[
+                "packed dense flex grouped-query kernel"
+            ],
+        }
     return {
         "forest": name,
         "tokens dense/tree (row)": f"{len(sequences) * length}/{real} ({layout.num_tokens})",
@@ -183,19 +215,21 @@ def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds):
         "ideal (pairs)": ideal,
         "token ratio": len(sequences) * length / real,
         "tree / ideal": (dense / tree) / ideal,
+        **grouped,
         "tree flash ms": times["tree flash"],
         "tree flash / ideal": (dense / times["tree flash"]) / ideal,
         "dense SDPA deterministic ms": times["dense SDPA deterministic"],
         "tree / ideal vs deterministic": (times["dense SDPA deterministic"] / tree) / ideal,
         "packed dense flex ms": times["packed dense flex"],
-        "tree / ideal vs packed flex": (times["packed dense flex"] / tree) / ideal,
+        "tree / ideal vs packed flex": (packed_flex / tree) / ideal,
     }
 
 
-def markdown(rows, command):
+def markdown(rows, command, heads=None, groups=None):
     """The benchmark section: command, then one table row per forest."""
+    grouped = groups is not None and groups != heads
     lines = [
-        f"## {SECTION}",
+        f"## {GROUPED_SECTION if grouped else SECTION}",
         "",
         f"Command: `{command}`",
         "",
@@ -210,7 +244,15 @@ def markdown(rows, command):
         "SDPA deterministic: SDPA under torch.use_deterministic_algorithms(True) (flash "
         "attention's deterministic backward instead of cuDNN); packed dense flex: flex_backend on "
         "the sequences packed with nothing shared; tree / ideal vs X = (X / tree) / ideal pair "
-        "ratio.",
+        "ratio."
+        + (
+            f" {heads} query heads over {groups} key/value heads; tree and packed dense flex "
+            "repeat the keys and values to the query heads before the kernel; grouped-query "
+            "kernel: the same on FlexAttention's enable_gqa kernel; tree / ideal vs packed flex "
+            "against the faster packed dense run."
+            if grouped
+            else ""
+        ),
         "",
     ]
     return "\n".join(lines + markdown_table(rows)) + "\n"
@@ -221,11 +263,19 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument(
+        "--query-groups",
+        type=int,
+        help="key/value heads (grouped-query attention; default: --heads, no grouping)",
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per method")
     parser.add_argument("--write", help="markdown file whose section to replace with the results")
     args = parser.parse_args()
+    groups = args.query_groups or args.heads
+    if args.heads % groups:
+        parser.error(f"--heads {args.heads} is not a multiple of --query-groups {groups}")
     forests = [
         ("star P=4096 C=1024 G=16", star(4096, [1024] * 16)),
         ("star P=1024 C=512 G=16", star(1024, [512] * 16)),
@@ -236,10 +286,12 @@ def main():
     rows = []
     for name, sequences in forests:
         rows.append(
-            bench_forest(name, sequences, args.heads, args.head_dim, args.repeats, args.rounds)
+            bench_forest(
+                name, sequences, args.heads, args.head_dim, args.repeats, args.rounds, groups
+            )
         )
         print(rows[-1], flush=True)
-    section = markdown(rows, "python " + shlex.join(sys.argv))
+    section = markdown(rows, "python " + shlex.join(sys.argv), args.heads, groups)
     print(section)
     if args.write:
         write_section(args.write, section)
