@@ -106,10 +106,9 @@ def packed_dense_forest(sequences):
     return ForestTensors.from_layout(plan.rows[0], "cuda")
 
 
-def bench_forest(name, sequences, heads, head_dim, repeats, num_rounds, groups=None):
-    """One table row: times (ms) and ratios for the forest of ``sequences``; ``groups`` key/value
-    heads (default ``heads``)."""
-    groups = groups or heads
+def bench_forest(name, sequences, heads, groups, head_dim, repeats, num_rounds):
+    """One table row: times (ms) and ratios for the forest of ``sequences``, ``heads`` query heads
+    over ``groups`` key/value heads."""
     repeated = flex_backend.repeats_groups(heads, groups)
     lengths = {len(s) for s in sequences}
     assert len(lengths) == 1, "dense baseline batches equal-length sequences"
@@ -287,7 +286,7 @@ def main():
     for name, sequences in forests:
         rows.append(
             bench_forest(
-                name, sequences, args.heads, args.head_dim, args.repeats, args.rounds, groups
+                name, sequences, args.heads, groups, args.head_dim, args.repeats, args.rounds
             )
         )
         print(rows[-1], flush=True)
