@@ -39,7 +39,10 @@ Triton caches (cold), the second with the caches the first left (warm). With
 directories, as the ranks of a job sharing a cache (section of its own).
 
 Times are wall-clock milliseconds of a whole step (synchronized at its end, so host work inside the
-step counts), the median of ``--repeats`` steps after two warm-up steps.
+step counts), the median of ``--repeats`` steps after two warm-up steps. The "steps queued"
+columns time the same steps queued back to back without that synchronization (``queued``), as the
+micro-batches of a training step run, where a step's host work overlaps the previous step's GPU
+work.
 
 Usage:
     python tools/bench_model.py [--patterns moe,nemotron] [--repeats 5] [--first-step moe]
@@ -369,6 +372,33 @@ def timed(step, repeats, device, warmup=2):
     return statistics.median(times), peak
 
 
+def queued(step, repeats, device):
+    """Milliseconds per step of ``repeats`` steps queued back to back behind a lead step, with no
+    synchronization between them.
+
+    The micro-batches of a training step run so (megatron-core's schedules do not synchronize
+    between micro-batches), and each step's host work then overlaps the GPU work of the step
+    before it; ``timed`` synchronizes after every step, so its forward starts on an idle GPU each
+    time. On CUDA the time runs between events recorded after the lead step and after the last
+    (GPU time, including any wait for the host); elsewhere it is wall time from the lead step's
+    end.
+    """
+    _synchronize(device)
+    step()
+    if torch.device(device).type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        return 1000 * (time.perf_counter() - start) / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def component_times(model, rows, repeats, device):
     """(attention ms, output ms) of ``rows``: every attention layer's core attention and the output
     layer + loss, forward+backward, on random inputs of the rows' shapes.
@@ -452,7 +482,7 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
     ).rows
     packed_rows = dense_rows(sequences, loss_masks, args.capacity)
     tree_tokens = sum(row.num_tokens for row in tree_rows)
-    results = {}
+    results, queued_ms = {}, {}
     for method, step in (
         ("tree", forest_step(model, tree_rows)),
         ("packed dense", forest_step(model, packed_rows)),
@@ -464,6 +494,8 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         model.zero_grad(set_to_none=False)
         try:
             results[method] = timed(step, args.repeats, device)
+            if method != "padded":
+                queued_ms[method] = queued(step, args.repeats, device)
         except torch.cuda.OutOfMemoryError:
             results[method] = None
         torch.cuda.empty_cache()
@@ -495,6 +527,8 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         ),
         "component ideal": ideal,
         "tree / ideal": dense_ms / tree_ms / ideal,
+        "speedup, steps queued": queued_ms["packed dense"] / queued_ms["tree"],
+        "tree / ideal, steps queued": queued_ms["packed dense"] / queued_ms["tree"] / ideal,
         # Per component: dense time / ratio over the tree's time (1.00 = the component is ideal).
         "tree token-wise / ideal": (dense_token_wise / token_ratio)
         / (tree_ms - tree_attention - tree_output),
@@ -517,6 +551,8 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         "tree_ms": tree_ms,
         "dense_ms": dense_ms,
         "padded_ms": None if results["padded"] is None else results["padded"][0],
+        "tree_queued_ms": queued_ms["tree"],
+        "dense_queued_ms": queued_ms["packed dense"],
         "dense_attention_ms": dense_attention,
         "dense_output_ms": dense_output,
         "tree_attention_ms": tree_attention,
@@ -827,8 +863,12 @@ def markdown(tables, first, command, args):
             "forward+backward at its row shapes), output layer + loss (same targets: ratio 1; "
             "with MTP once per depth as well) and the rest (dense shares column); tree "
             "token-wise / ideal and tree attention / ideal apply the same split to the tree "
-            "step; tree / ideal per layer kind: one layer of each token-wise kind (M, -, E) "
-            "timed alone on random inputs of the rows' shapes, dense / token ratio over tree. "
+            "step; steps queued: the same steps, tree and packed dense, queued back to back "
+            f"with no synchronization between them ({args.repeats} behind a lead step, GPU time "
+            "per step), as the micro-batches of a longer training step run: each step's host "
+            "work overlaps the GPU work of the step before it, where the synchronized steps "
+            "start their forward on an idle GPU; tree / ideal per layer kind: one layer of each "
+            "token-wise kind (M, -, E) timed alone on random inputs of the rows' shapes, dense / token ratio over tree. "
             "Peak: memory above weights and gradients, and per 1K tokens of the longest "
             "row." + notes
         )

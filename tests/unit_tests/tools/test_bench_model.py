@@ -412,3 +412,29 @@ def test_shared_cache_processes_run_together_and_get_their_own_section(tool, mon
     assert section.startswith(f"## {tool.SHARED_CACHE_SECTION}")
     assert "2 processes started together" in section
     assert "| triton_files_added | torchinductor_files_added |" in section
+
+
+def test_queued_steps_run_behind_a_lead_step(tool):
+    """--repeats steps are timed after one lead step, none of them synchronized on its own."""
+    calls = []
+    assert tool.queued(lambda: calls.append(1), 3, "cpu") >= 0
+    assert len(calls) == 4
+
+
+def test_batch_record_reports_queued_steps(tool, megatron_world):
+    """A table row carries the queued steps' speedup and tree / ideal, from their own timings."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        mtp_num_layers=0, mtp_pattern="*-", hidden=256, heads=4, query_groups=2, vocab=64,
+        capacity=128, repeats=1,
+    )  # fmt: skip
+    model = tool.build_model("M*", args, "cpu")
+    sequences = [np.array([1, 2, 3, 4, 5, 6]), np.array([1, 2, 3, 7, 8, 9])]
+    masks = [np.arange(6) >= 2, np.arange(6) >= 2]
+    record, timings = tool.bench_batch(model, "star", sequences, masks, args, "cpu")
+    queued_speedup = timings["dense_queued_ms"] / timings["tree_queued_ms"]
+    assert record["speedup, steps queued"] == pytest.approx(queued_speedup)
+    assert record["tree / ideal, steps queued"] == pytest.approx(
+        queued_speedup / record["component ideal"]
+    )
