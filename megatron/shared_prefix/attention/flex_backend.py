@@ -19,8 +19,10 @@ nothing; their outputs are sliced off. Two compiled kernels serve all lengths:
 * a length that is a bucket (``bucket_length``: at most four per octave of lengths) runs a kernel
   compiled with static shapes for it, the fastest FlexAttention has; each bucket compiles once, and
   ``MAX_COMPILED_KERNELS`` lifts Dynamo's recompile limit around these calls so all stay compiled;
-* every other length runs one kernel compiled with dynamic shapes and told that the lengths are
-  multiples of 128 (FlexAttention's ``IS_DIVISIBLE``), which a dynamic compile cannot prove itself.
+* every other length runs one kernel compiled with dynamic shapes on [T / 128, 128, 1, H, D]
+  views of the rows: its dynamic size is the block count, so the compiled length is 128 times a
+  symbol, and it is told so (FlexAttention's ``IS_DIVISIBLE``), which a symbolic length does not
+  let a compile prove by itself.
 
 Measured on an H200 on 2026-11-29 (bf16, 32 heads x 128, forward+backward): a plain dynamic-shape
 compile bounds-checks every tile and ran 23% slower than a static one on a 20480-token row
@@ -30,7 +32,10 @@ of 9K-20K tokens. Padding such rows to the next bucket instead, so that a static
 cost 9-19%: the copies of q, k, v and of the output gradient. Contiguous [1, H, T, D] copies were
 slower than padding in Megatron's [T, 1, H, D] order. Compiling the layout changes into the graph
 (``_flex_attention_rows``) then made both kernels 2-7% faster; docs/benchmarks.md has the table
-against stock FlexAttention.
+against stock FlexAttention. Measured there again on 2026-12-04 (bf16, forward+backward, tree rows
+of 9216-20480 tokens, 16 query heads over 8 groups and 32 heads without grouping): the dynamic
+kernel on a symbolic length took 3-8% longer than the static one, all of it in the backward; on the
+block count it takes at most 1.6% longer, with the same bits.
 
 Not used: PyTorch's cuDNN attention, faster than FlexAttention for dense causal attention on an
 H200 (the dense baseline of docs/benchmarks.md runs on it), so a tree could be split into dense
@@ -157,11 +162,19 @@ def _flex_attention_rows(query, key, value, *, repeat_groups=False, **kwargs):
     return out.permute(2, 0, 1, 3).reshape(num_tokens, 1, num_heads * head_dim)
 
 
-def _flex_attention_rows_divisible(query, key, value, *, kernel_options, **kwargs):
-    """``_flex_attention_rows`` told that both lengths are multiples of BLOCK_SIZE (no bounds checks
-    on tile loads), which a dynamic-shape compile cannot prove by itself."""
+def _flex_attention_blocks(query, key, value, *, kernel_options, **kwargs):
+    """``_flex_attention_rows`` of [T / BLOCK_SIZE, BLOCK_SIZE, 1, H, D] views of the rows, told
+    that T is a multiple of BLOCK_SIZE (``IS_DIVISIBLE``: no bounds checks on tile loads).
+
+    The dynamic-shape kernel's inputs: its dynamic size is then the block count, and the length
+    BLOCK_SIZE times it, so Inductor and Triton know the length's factor 128 as a static kernel
+    knows its constant length. Compiled on a symbolic length with ``IS_DIVISIBLE`` alone, the
+    same kernel code ran its backward 3-10% slower than the static one (H200, 2026-12-04: the
+    offsets of per-query statistics and block rows were then of unknown alignment).
+    """
+    rows = (t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) for t in (query, key, value))
     options = {**kernel_options, "IS_DIVISIBLE": True}
-    return _flex_attention_rows(query, key, value, kernel_options=options, **kwargs)
+    return _flex_attention_rows(*rows, kernel_options=options, **kwargs)
 
 
 _compiled_kernels = {}  # static: bool -> compiled callable, built on first use
@@ -177,25 +190,28 @@ DYNAMIC_WARMUP_TOKENS = 9 * BLOCK_SIZE
 PRECOMPILE_MODES = ("off", "dynamic", "buckets")
 
 
-def _flex_attention_compiled(static: bool, *args, **kwargs):
-    """``_flex_attention_rows`` compiled with static or with dynamic shapes (the dynamic one
-    specialized on the head counts, dimension 2 of q, k, v: a model's are fixed), called with
-    Dynamo's recompile limit raised to MAX_COMPILED_KERNELS (a scoped config patch) so every
-    bucket stays compiled."""
+def _flex_attention_compiled(static: bool, query, key, value, **kwargs):
+    """``_flex_attention_rows`` of [T, 1, H, D] rows compiled with static shapes, or with dynamic
+    shapes on rows of a multiple of BLOCK_SIZE tokens (``_flex_attention_blocks``: the block count
+    dynamic, everything else static), called with Dynamo's recompile limit raised to
+    MAX_COMPILED_KERNELS (a scoped config patch) so every bucket stays compiled."""
     if static not in _compiled_kernels:
         _compiled_kernels[static] = (
             torch.compile(_flex_attention_rows, dynamic=False)
             if static
-            else torch.compile(_flex_attention_rows_divisible, dynamic=True)
+            else torch.compile(_flex_attention_blocks, dynamic=True)
         )
+    tensors = (query, key, value)
     if not static:
-        # Only the length is dynamic: with symbolic head counts Inductor could not lower the
+        tensors = tuple(t.view(t.shape[0] // BLOCK_SIZE, BLOCK_SIZE, *t.shape[1:]) for t in tensors)
+        # Only the block count is dynamic: with symbolic head counts Inductor could not lower the
         # backward of repeated groups (torch 2.11: its heads-per-group expression did not print).
-        for tensor in args[:3]:
-            torch._dynamo.mark_static(tensor, 2)  # pylint: disable=protected-access
+        for tensor in tensors:
+            for dim in (1, 3, 4):
+                torch._dynamo.mark_static(tensor, dim)  # pylint: disable=protected-access
     # pylint: disable-next=no-member,protected-access
     with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_KERNELS):
-        return _compiled_kernels[static](*args, **kwargs)
+        return _compiled_kernels[static](*tensors, **kwargs)
 
 
 def tree_mask_mod(token_subtree_end: torch.Tensor):
@@ -416,8 +432,8 @@ def precompile(
     Runs tree_attention forward and backward on a one-sequence row of random q, k, v at each
     length of ``precompile_lengths(max_tokens, mode)`` (and, with ``no_grad_forward``, a forward
     without autograd as activation recompute runs first). From then on a row whose length has no
-    static kernel compiled here runs the dynamic-shape one (2-5% slower than a static kernel,
-    flex_backend's docstring): with mode "dynamic" every row does, which costs one compile.
+    static kernel compiled here runs the dynamic-shape one (up to about 2% slower than a static
+    kernel, flex_backend's docstring): with mode "dynamic" every row does, which costs one compile.
     Kernels are specialized on the head shape, dtype and softmax scale, which must be the ones
     the model's attention layers run with (``TreeDotProductAttention.kernel_signature``); the
     compiled code lands in Inductor's and Triton's caches, shared by later runs that use the same

@@ -172,7 +172,7 @@ def add_shared_prefix_args(
         help="Compile the tree attention (FlexAttention) kernels and the Mamba layers' Triton "
         "kernels before the first step, so that no row length compiles during training: "
         "dynamic: one dynamic-shape attention kernel that every row runs (one compile); "
-        "buckets: also a static attention kernel, a few percent faster, for each of the about "
+        "buckets: also a static attention kernel, up to about 2% faster, for each of the about "
         "four bucket lengths per octave up to the row capacity (one compile each; kept in the "
         "Inductor and Triton caches for later runs); the Mamba kernels are compiled for every "
         "class of row length either way, and rows are padded to a multiple of 16 tokens where "

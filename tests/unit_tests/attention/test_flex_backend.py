@@ -240,6 +240,44 @@ def test_repeated_groups_are_what_the_kernel_gets(forest_sequences, monkeypatch,
         torch.testing.assert_close(result, other, rtol=1e-5, atol=1e-6)
 
 
+def test_dynamic_kernel_gets_block_views_of_the_rows(forest_sequences, monkeypatch):
+    """The dynamic-shape kernel gets [T / 128, 128, 1, H, D] views of the rows (no copies), all
+    but the block count marked static, and computes what the rows give (FlexAttention replaced by
+    its dense semantics on CPU)."""
+    monkeypatch.setattr(flex_backend, "flex_attention", flex_semantics)
+    calls = []
+
+    def kernel(query, key, value, **kwargs):
+        calls.append((query, key, value, kwargs["kernel_options"]))
+        return flex_backend._flex_attention_blocks(  # pylint: disable=protected-access
+            query, key, value, **kwargs
+        )
+
+    # pylint: disable-next=protected-access
+    monkeypatch.setitem(flex_backend._compiled_kernels, False, kernel)
+    num_tokens = 3 * flex_backend.BLOCK_SIZE
+    forest = ForestTensors.from_layout(row_layout(forest_sequences, num_tokens), "cpu")
+    block_mask = flex_backend.tree_block_mask(forest)
+    query, key, value = cpu_qkv(num_tokens, seed=5, requires_grad=True)
+    out = flex_backend._flex_attention_compiled(  # pylint: disable=protected-access
+        False, query, key, value, block_mask=block_mask, scale=0.3, kernel_options={}
+    )
+    ((*views, options),) = calls
+    for view, row in zip(views, (query, key, value)):
+        assert view.shape == (3, flex_backend.BLOCK_SIZE, *row.shape[1:])
+        assert view.data_ptr() == row.data_ptr()
+        assert view._dynamo_static_indices == {1, 3, 4}  # pylint: disable=protected-access
+    assert options == {}  # the caller's options are not changed; IS_DIVISIBLE is added inside
+    expected = flex_backend._flex_attention_rows(  # pylint: disable=protected-access
+        query, key, value, block_mask=block_mask, scale=0.3, kernel_options={}
+    )
+    assert torch.equal(out, expected)
+    grads = torch.autograd.grad(out.square().sum(), (query, key, value))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (query, key, value))
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert torch.equal(grad, expected_grad)
+
+
 def test_repeated_heads_follow_the_grouped_query_convention():
     """Query head h reads group h // (heads // groups), as repeat_interleave and FlexAttention's
     enable_gqa have it."""

@@ -8,7 +8,8 @@ no backward, its eager forward needs Dynamo (which tests/conftest.py turns off f
 training uses torch_backend instead, so the CPU test replays the part of this file that runs on
 any device: the block-mask construction, for the row's own length and padded to a longer one. On GPU
 four rows are replayed: one padded to a multiple of 128 tokens and one that is a multiple
-already (both on the dynamic-shape kernel), and one whose length is a bucket (the static kernel),
+already (both on the dynamic-shape kernel, which runs on [T / 128, 128, 1, H, D] views of the rows,
+the block count its dynamic size), and one whose length is a bucket (the static kernel),
 the last also with a value that is a strided view into a wider tensor, as megatron-core's is.
 Which kernel runs, and the forward's kernel options (``flex_backend.KERNEL_OPTIONS``: TMA loads),
 are speed choices only: GPU tests check that they give bitwise the same results.
@@ -217,7 +218,8 @@ def test_kernel_options_keep_the_bits_gpu(forest_sequences, monkeypatch, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_static_and_dynamic_kernels_agree_bitwise_gpu(forest_sequences):
-    """At a bucket length both compiled kernels may run a row; they must give the same bits."""
+    """At a bucket length both compiled kernels may run a row; they must give the same bits (the
+    dynamic one compiled on the block count, as every row that is not a bucket runs it)."""
     num_tokens = 5120
     assert flex_backend.run_length(num_tokens) == (num_tokens, True)
     sequences = forest_sequences(seed=7, depth=3, max_segment=400)
