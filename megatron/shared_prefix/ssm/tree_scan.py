@@ -257,8 +257,10 @@ class TreeScanPlan:
             segment, once).
         segment_first: [S] int64 first token of each segment; segment_last: [S] its last token.
         slot_segment, slot_parent: [internal] int64 device copies of ``internal``'s segment and
-            parent slot (the Triton state chain's tables); has_parent_slots: whether any internal
-            segment has a parent (else the chain is the identity).
+            parent slot (the Triton state chain's tables).
+        segment_chain_slot: [S] int64 the slot of each internal segment that has a parent, -1
+            for every other segment (where the Triton segment walk's backward finds a segment's
+            part of the chain's gradient).
     """
 
     seq_idx: torch.Tensor
@@ -270,7 +272,7 @@ class TreeScanPlan:
     segment_last: torch.Tensor
     slot_segment: torch.Tensor
     slot_parent: torch.Tensor
-    has_parent_slots: bool
+    segment_chain_slot: torch.Tensor
 
     @classmethod
     def of(cls, forest: ForestTensors) -> "TreeScanPlan":
@@ -301,6 +303,10 @@ class TreeScanPlan:
         bounds = np.searchsorted(token_parent[order], internal_segments, side="left")
         ends = np.searchsorted(token_parent[order], internal_segments, side="right")
 
+        segment_chain_slot = np.full(len(starts), -1, dtype=np.int64)
+        for slot, (segment, _, _, parent_slot) in enumerate(internal):
+            if parent_slot >= 0:
+                segment_chain_slot[segment] = slot
         host_child_tokens = tuple(order[b:e] for b, e in zip(bounds, ends))
         all_children = order[bounds[0] :] if len(internal_segments) else order[:0]
         tables = [
@@ -309,11 +315,12 @@ class TreeScanPlan:
             starts + lengths - 1,
             [segment for segment, *_ in internal],
             [parent_slot for *_, parent_slot in internal],
+            segment_chain_slot,
             *host_child_tokens,
         ]
         # One transfer from the host for all of them (tensors.hosts_to_device).
-        (all_child_tokens, first, last, slot_segment, slot_parent, *child_tokens) = hosts_to_device(
-            [np.asarray(table, dtype=np.int64) for table in tables], forest.device
+        (all_child_tokens, first, last, slot_segment, slot_parent, chain_slot, *child_tokens) = (
+            hosts_to_device([np.asarray(table, dtype=np.int64) for table in tables], forest.device)
         )
         return cls(
             seq_idx=forest.token_segment.to(torch.int32).unsqueeze(0).contiguous(),
@@ -325,7 +332,7 @@ class TreeScanPlan:
             segment_last=last,
             slot_segment=slot_segment,
             slot_parent=slot_parent,
-            has_parent_slots=any(parent_slot >= 0 for *_, parent_slot in internal),
+            segment_chain_slot=chain_slot,
         )
 
 

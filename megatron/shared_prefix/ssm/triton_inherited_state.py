@@ -20,7 +20,8 @@ products and their gradients, for every parent at once, reading the activations 
 
 with ``f = exp`` (log weights, the correction) or the identity (linear weights, the own states).
 The forward of the correction is a token product, its backward a token gradient and a state sum;
-the own states are a state sum, their backward a token product (dx) and a token gradient (dB, dw).
+the own states are a state sum, their backward a token product (dx) and a token gradient (dB, dw),
+run as one pass (the token gradient kernel with ``ADD_PRODUCT``).
 The products add into their output, and the gradients into the packed scan's own: the correction
 is written into the scan's output, and its gradients into the scan's gradients of x, dt, B, C and z
 (:class:`ForkedStates`, run with the scan in one autograd function by tree_scan.py), so no
@@ -35,6 +36,8 @@ fixed number of launches per layer, however many segments the row has.
 Precision follows mamba_ssm's chunk scan, which passes states between chunks the same way: the
 float32 state (or weighted input) is rounded to the input dtype and multiplied on tensor cores with
 float32 accumulation (``tl.dot``; TF32 for float32 inputs); weights, gates and sums are float32.
+The states are rounded once, by the kernel that finishes them (the parent chain, forward and
+backward, writes a copy in the input dtype), not by a conversion per product.
 
 Work is split into blocks of :data:`TOKENS_PER_BLOCK` tokens of one parent (tables built once per
 forest). Every output element is written by exactly one program and every reduction runs in a
@@ -65,6 +68,9 @@ from megatron.shared_prefix.tensors import ForestTensors, host_to_device, hosts_
 TOKENS_PER_BLOCK = 64  # tokens per program
 SPLIT_BLOCKS = 16  # token blocks summed by one program of the state sum
 SUM_BLOCK = 1024  # state elements per program when adding the splits
+# Pipeline stages of the token product: one stage was 6-12% faster than Triton's default of three
+# in a sweep on an H200 (docs/benchmarks.md, the tree Mamba mixer's launch options).
+TOKEN_PRODUCT_STAGES = 1
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -158,6 +164,20 @@ def _load_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, BLOCK_P: tl.
 
 
 @triton.jit
+def _add_to_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, values,
+               BLOCK_P: tl.constexpr):  # fmt: skip
+    """``ptr[tokens, head, :] += values`` ([BLOCK_T, BLOCK_P] float32, added to the loaded rows
+    in float32 and rounded once to ptr's dtype) where ``mask``."""
+    values += _load_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, BLOCK_P)
+    p = tl.arange(0, BLOCK_P)
+    tl.store(
+        ptr + tokens[:, None] * stride_t + head * stride_h + p[None, :] * stride_p,
+        values.to(ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
 def _load_state(ptr, slot, head, stride_slot, stride_h, stride_p, stride_n, head_dim, state_dim,
                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """[BLOCK_P, BLOCK_N] state ``ptr[slot, head]`` in the states' dtype (0 outside [P, N])."""
@@ -206,36 +226,32 @@ def _token_product_kernel(
         if HAS_Z:
             z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
             result = result * z * tl.sigmoid(z)
-        result += _load_tp(
-            out_ptr, tokens, head, stride_out_t, stride_out_h, stride_out_p, mask_tp, BLOCK_P
-        )
-        tl.store(
-            out_ptr + tokens[:, None] * stride_out_t + head * stride_out_h
-            + p[None, :] * stride_out_p,
-            result.to(out_ptr.dtype.element_ty),
-            mask=mask_tp,
-        )  # fmt: skip
+        _add_to_tp(out_ptr, tokens, head, stride_out_t, stride_out_h, stride_out_p, mask_tp,
+                   result, BLOCK_P)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=("num_blocks",))
 def _token_grad_kernel(
-    grad_C_ptr, grad_w_ptr, grad_z_ptr, v_ptr, z_ptr, C_ptr, w_ptr, states_ptr,
+    grad_C_ptr, grad_w_ptr, grad_z_ptr, out_ptr, v_ptr, z_ptr, C_ptr, w_ptr, states_ptr,
     blocks_ptr, tokens_ptr,
     num_blocks, heads_per_group, head_dim, state_dim,
     stride_gC_t, stride_gC_g, stride_gC_n,
     stride_gz_t, stride_gz_h, stride_gz_p,
+    stride_out_t, stride_out_h, stride_out_p,
     stride_v_t, stride_v_h, stride_v_p,
     stride_z_t, stride_z_h, stride_z_p,
     stride_C_t, stride_C_g, stride_C_n,
     stride_w_t, stride_w_h,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
-    HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
+    HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr, ADD_PRODUCT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (block, group), with u = (gate * v) . state ([T, N] per head):
     dC += sum_heads f(w) * u, dz += v * f(w) * (C . state) * silu'(z) (each sum in float32, rounded
     once to the gradient's dtype), and dw = f'(w) * sum_n u * C written to grad_w, contiguous
-    [T, H] float32.
+    [T, H] float32. With ADD_PRODUCT (no gate), also :func:`_token_product_kernel`'s
+    out += f(w) * C . state on the same pass: the own states' backward needs both for the same
+    tokens, states and weights (dx and dB, dw), and one pass reads C, the states and w once.
     """
     tokens, mask, slot = _block(blocks_ptr, tokens_ptr, tl.program_id(0), num_blocks, BLOCK_T)
     group = tl.program_id(1)
@@ -262,10 +278,14 @@ def _token_grad_kernel(
         if EXP_WEIGHT:
             weight = tl.exp(weight)
         v = _load_tp(v_ptr, tokens, head, stride_v_t, stride_v_h, stride_v_p, mask_tp, BLOCK_P)
+        if HAS_Z or ADD_PRODUCT:
+            product = tl.dot(C, tl.trans(state))  # [T, P] float32
+        if ADD_PRODUCT:
+            _add_to_tp(out_ptr, tokens, head, stride_out_t, stride_out_h, stride_out_p, mask_tp,
+                       product * weight[:, None], BLOCK_P)  # fmt: skip
         if HAS_Z:
             z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
             sigmoid = tl.sigmoid(z)
-            product = tl.dot(C, tl.trans(state))
             grad_z = v * product * weight[:, None] * (sigmoid * (1 + z * (1 - sigmoid)))
             grad_z += _load_tp(grad_z_ptr, tokens, head, stride_gz_t, stride_gz_h, stride_gz_p,
                                mask_tp, BLOCK_P)  # fmt: skip
@@ -428,9 +448,9 @@ def _segment_decay_fwd_kernel(
 
 @triton.jit(do_not_specialize=("num_pieces",))
 def _segment_decay_bwd_kernel(
-    grad_dt_ptr, grad_A_partial_ptr, grad_cum_ptr, grad_weight_ptr, grad_cum_end_ptr,
-    dt_ptr, A_ptr, starts_ptr, lengths_ptr, pieces_ptr,
-    num_pieces, num_heads, stride_dt_t, stride_dt_h, stride_gdt_t, stride_gdt_h,
+    grad_dt_ptr, grad_A_partial_ptr, grad_cum_ptr, grad_weight_ptr, chain_partial_ptr,
+    segment_slot_ptr, dt_ptr, A_ptr, starts_ptr, lengths_ptr, pieces_ptr,
+    num_pieces, num_heads, num_chunks, stride_dt_t, stride_dt_h, stride_gdt_t, stride_gdt_h,
     BLOCK_T: tl.constexpr, SUM_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Program (piece, head block), gradients of :func:`_segment_decay_fwd_kernel` at the piece's
@@ -439,7 +459,10 @@ def _segment_decay_bwd_kernel(
     exp(cum_end - cum), and per piece d A = sum_u d a[u] * dt[u] (grad_A_partial [pieces, H],
     float32, summed by the caller). Float64 sums; the g_te of the tokens before the piece use cum
     summed in blocks of SUM_T (the forward's values to float64 rounding); d dt is added to grad_dt
-    ([T, H] float32, rounded once); grad_cum and grad_weight are contiguous [T, H]."""
+    ([T, H] float32, rounded once); grad_cum and grad_weight are contiguous [T, H]. d cum_end of a
+    segment whose end state is chained from its parent's (segment_slot[segment] = its slot, else
+    -1) is exp(cum_end) times the sum, in chunk order, of the chain backward's partials
+    [slots, H, num_chunks]; of any other segment, 0."""
     segment, first, end, heads, head_mask, A, start, length = _piece_program(
         A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads, BLOCK_H
     )
@@ -460,9 +483,16 @@ def _segment_decay_bwd_kernel(
         )
         grad_to_end_before += tl.sum((grad_weight * decay * dt).to(tl.float64), axis=0)
         cum_before += tl.sum(a, axis=0)
-    grad_cum_end = tl.load(
-        grad_cum_end_ptr + segment * num_heads + heads, mask=head_mask, other=0.0
-    )
+    grad_cum_end = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    slot = tl.load(segment_slot_ptr + segment)
+    if slot >= 0:
+        for chunk in range(num_chunks):
+            grad_cum_end += tl.load(
+                chain_partial_ptr + (slot * num_heads + heads) * num_chunks + chunk,
+                mask=head_mask,
+                other=0.0,
+            )
+        grad_cum_end *= tl.exp(total.to(tl.float32))
     # d a[u] at the piece's first token; the loop adds the prefixes of later tokens.
     carry = grad_cum_from + grad_to_end_before + grad_cum_end.to(tl.float64)
     cum_before = before
@@ -494,15 +524,17 @@ def _segment_decay_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=("num_slots",))
-def _chain_fwd_kernel(ends_ptr, own_ptr, cum_end_ptr, slot_segment_ptr, slot_parent_ptr,
+def _chain_fwd_kernel(ends_ptr, copy_ptr, own_ptr, cum_end_ptr, slot_segment_ptr, slot_parent_ptr,
                       num_slots, num_heads, size, BLOCK: tl.constexpr):  # fmt: skip
     """Program (head, chunk): ends[s] = own[s] + exp(cum_end[segment(s)]) * ends[parent(s)], slots
-    in increasing order (parents first). ends, own: contiguous [S, H, size]."""
+    in increasing order (parents first), and ends[s] rounded to copy's dtype in copy (the states
+    the token products read). ends, copy, own: contiguous [S, H, size]."""
     head = tl.program_id(0)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < size
     for slot in range(num_slots):
-        value = tl.load(own_ptr + (slot * num_heads + head) * size + offsets, mask=mask)
+        here = (slot * num_heads + head) * size + offsets
+        value = tl.load(own_ptr + here, mask=mask)
         parent = tl.load(slot_parent_ptr + slot)
         if parent >= 0:
             decay = tl.exp(
@@ -511,16 +543,22 @@ def _chain_fwd_kernel(ends_ptr, own_ptr, cum_end_ptr, slot_segment_ptr, slot_par
             value += decay * tl.load(
                 ends_ptr + (parent * num_heads + head) * size + offsets, mask=mask
             )
-        tl.store(ends_ptr + (slot * num_heads + head) * size + offsets, value, mask=mask)
+        tl.store(ends_ptr + here, value, mask=mask)
+        tl.store(copy_ptr + here, value.to(copy_ptr.dtype.element_ty), mask=mask)
+        # A later slot reads ends[slot] back, and the compiler may map an element of that load
+        # to another thread than the store's (it lays out the float32 and bf16 accesses apart).
+        tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=("num_slots",))
-def _chain_bwd_kernel(grad_own_ptr, grad_decay_partial_ptr, grad_ends_ptr, ends_ptr, cum_end_ptr,
+def _chain_bwd_kernel(grad_ptr, copy_ptr, grad_decay_partial_ptr, ends_ptr, cum_end_ptr,
                       slot_segment_ptr, slot_parent_ptr, num_slots, num_heads, size,
                       BLOCK: tl.constexpr):  # fmt: skip
-    """Program (head, chunk), slots in decreasing order: grad_own[s] = d ends[s] + the part its
-    children passed up; a child passes exp(cum_end) * grad_own[child] to its parent, and
-    grad_decay_partial[s, head, chunk] = sum over the chunk of grad_own[s] * ends[parent(s)]."""
+    """Program (head, chunk), slots in decreasing order (children first), in place: grad holds
+    d ends and becomes d own: when slot s is reached, its children have added their parts, so
+    grad[s] is final; it is rounded to copy's dtype in copy, s passes exp(cum_end) * grad[s] to
+    its parent, and grad_decay_partial[s, head, chunk] = sum over the chunk of grad[s] *
+    ends[parent(s)]."""
     head = tl.program_id(0)
     chunk = tl.program_id(1)
     offsets = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -528,8 +566,8 @@ def _chain_bwd_kernel(grad_own_ptr, grad_decay_partial_ptr, grad_ends_ptr, ends_
     for index in range(num_slots):
         slot = num_slots - 1 - index
         here = (slot * num_heads + head) * size + offsets
-        grad = tl.load(grad_own_ptr + here, mask=mask) + tl.load(grad_ends_ptr + here, mask=mask)
-        tl.store(grad_own_ptr + here, grad, mask=mask)
+        grad = tl.load(grad_ptr + here, mask=mask, other=0.0)
+        tl.store(copy_ptr + here, grad.to(copy_ptr.dtype.element_ty), mask=mask)
         parent = tl.load(slot_parent_ptr + slot)
         partial = 0.0
         if parent >= 0:
@@ -539,13 +577,12 @@ def _chain_bwd_kernel(grad_own_ptr, grad_decay_partial_ptr, grad_ends_ptr, ends_
             )
             partial = tl.sum(grad * tl.load(ends_ptr + there, mask=mask, other=0.0), axis=0)
             tl.store(
-                grad_own_ptr + there,
-                tl.load(grad_own_ptr + there, mask=mask) + decay * grad,
-                mask=mask,
+                grad_ptr + there, tl.load(grad_ptr + there, mask=mask) + decay * grad, mask=mask
             )
         tl.store(
             grad_decay_partial_ptr + (slot * num_heads + head) * tl.num_programs(1) + chunk, partial
         )
+        tl.debug_barrier()  # grad[parent] is read back by a later slot (as in the forward)
 
 
 def _strides(tensor, dims):
@@ -565,8 +602,9 @@ def _sizes(values, C):
 
 
 def _in_product_dtype(states, C):
-    """The states rounded once to C's dtype, in which every program multiplies them (each program
-    reads the state of every head of its group: in bf16 that is half the reads of float32)."""
+    """The states in C's dtype, in which every program multiplies them (each program reads the
+    state of every head of its group: in bf16 that is half the reads of float32). The parent
+    chain writes them so; this rounds states given in another dtype once, as it does."""
     return states.to(C.dtype)
 
 
@@ -583,26 +621,34 @@ def token_product(z, C, w, states, tables: TokenBlocks, *, exp_weight, out):
         num_blocks, heads // groups, head_dim, state_dim,
         *out.stride(), *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
         HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+        num_stages=TOKEN_PRODUCT_STAGES,
     )  # fmt: skip
     return out
 
 
-def token_grad(v, z, C, w, states, tables: TokenBlocks, *, exp_weight, grad_C, grad_z=None):
+def token_grad(v, z, C, w, states, tables: TokenBlocks, *, exp_weight, grad_C, grad_z=None,
+               product_out=None):  # fmt: skip
     """Gradients of :func:`token_product` given v, its output's gradient: dC is added to grad_C
     ([T, G, N]) and, with z, dz to grad_z ([T, H, P]), in place at the tables' tokens; returns
-    dw [T, H] float32, zero outside the tables' tokens."""
+    dw [T, H] float32, zero outside the tables' tokens. With ``product_out`` ([T, H, P]; no z),
+    the same pass also adds :func:`token_product`'s ``f(w) * C . states[slot]`` to it."""
+    if product_out is not None and z is not None:
+        raise ValueError("token_grad adds the token product only without a gate (z is None)")
     heads, head_dim, groups, state_dim, sizes = _sizes(v, C)
     grad_w = torch.zeros(v.shape[0], heads, dtype=torch.float32, device=C.device)
     num_blocks = tables.blocks.shape[1]
     if num_blocks:
         states = _in_product_dtype(states, C)
         _token_grad_kernel[(num_blocks, groups)](
-            grad_C, grad_w, grad_z if z is not None else grad_w, v, z if z is not None else v,
+            grad_C, grad_w, grad_z if z is not None else grad_w,
+            product_out if product_out is not None else v, v, z if z is not None else v,
             C, w, states, tables.blocks, tables.tokens,
             num_blocks, heads // groups, head_dim, state_dim,
-            *grad_C.stride(), *_strides(grad_z if z is not None else None, 3), *v.stride(),
+            *grad_C.stride(), *_strides(grad_z if z is not None else None, 3),
+            *_strides(product_out, 3), *v.stride(),
             *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
-            HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+            HAS_Z=z is not None, EXP_WEIGHT=exp_weight, ADD_PRODUCT=product_out is not None,
+            BLOCK_T=TOKENS_PER_BLOCK, **sizes,
         )  # fmt: skip
     return grad_w
 
@@ -711,27 +757,29 @@ def segment_decay(dt, A, segments: SegmentPieces):
     return cum, weight, cum_end
 
 
-def segment_decay_backward(grad_cum, grad_weight, grad_cum_end, dt, A, segments, *, grad_dt):
-    """Gradients of :func:`segment_decay` given those of its outputs (contiguous [T, H], [T, H]
-    and [S, H] float32; grad_cum_end may be None, zero): d dt is added to grad_dt ([T, H]
-    float32) in place; returns d A [H] float32."""
+def segment_decay_backward(grad_cum, grad_weight, chain_partial, segment_slot, dt, A, segments,
+                           *, grad_dt):  # fmt: skip
+    """Gradients of :func:`segment_decay` given those of cum and input_weight (contiguous [T, H]
+    float32) and, as the partials of :func:`chain_states_backward` (chain_partial), of cum_end
+    (segment_slot [segments] int64: the slot of a segment whose end state is chained from its
+    parent's, else -1, for which d cum_end = 0). d dt is added to grad_dt ([T, H] float32) in
+    place; returns d A [H] float32."""
     heads = dt.shape[1]
     num_pieces = segments.pieces.shape[1]
-    if grad_cum_end is None:
-        grad_cum_end = torch.zeros(segments.starts.shape[0], heads, device=dt.device)
     grad_A_partial = torch.empty(num_pieces, heads, dtype=torch.float32, device=dt.device)
     _segment_decay_bwd_kernel[(num_pieces, triton.cdiv(heads, DECAY_BLOCK_H))](
-        grad_dt, grad_A_partial, grad_cum, grad_weight, grad_cum_end,
+        grad_dt, grad_A_partial, grad_cum, grad_weight, chain_partial, segment_slot,
         dt, A, segments.starts, segments.lengths, segments.pieces,
-        num_pieces, heads, *dt.stride(), *grad_dt.stride(),
+        num_pieces, heads, chain_partial.shape[-1], *dt.stride(), *grad_dt.stride(),
         BLOCK_T=DECAY_BLOCK_T, SUM_T=DECAY_SUM_T, BLOCK_H=DECAY_BLOCK_H,
     )  # fmt: skip
     return grad_A_partial.sum(0)
 
 
-def chain_states(own, cum_end, slot_segment, slot_parent):
-    """ends [S, H, P, N] float32: ``ends[s] = own[s] + exp(cum_end[segment(s)]) * ends[parent(s)]``
-    (parents first; a root's end state is its own), in one kernel launch for all internal segments.
+def chain_states(own, cum_end, slot_segment, slot_parent, *, copy_dtype):
+    """(ends [S, H, P, N] float32, the same rounded to ``copy_dtype``): ``ends[s] = own[s] +
+    exp(cum_end[segment(s)]) * ends[parent(s)]`` (parents first; a root's end state is its own),
+    in one kernel launch for all internal segments.
 
     Inputs: own [S, H, P, N] float32 contiguous, cum_end [segments, H] float32, slot_segment [S]
     int64 (the segment of each slot), slot_parent [S] int64 (the parent's slot, -1 for a root).
@@ -739,26 +787,30 @@ def chain_states(own, cum_end, slot_segment, slot_parent):
     slots, heads = own.shape[:2]
     size = own[0, 0].numel()
     ends = torch.empty_like(own)
+    copy = torch.empty_like(own, dtype=copy_dtype)
     _chain_fwd_kernel[(heads, triton.cdiv(size, SUM_BLOCK))](
-        ends, own, cum_end, slot_segment, slot_parent, slots, heads, size, BLOCK=SUM_BLOCK
+        ends, copy, own, cum_end, slot_segment, slot_parent, slots, heads, size, BLOCK=SUM_BLOCK
     )
-    return ends
+    return ends, copy
 
 
-def chain_states_backward(grad_ends, ends, cum_end, slot_segment, slot_parent):
-    """(d own [S, H, P, N], d cum_end [segments, H]) of :func:`chain_states`, given d ends and
-    its output ends."""
+def chain_states_backward(grad_ends, ends, cum_end, slot_segment, slot_parent, *, copy_dtype):
+    """Gradients of :func:`chain_states` given d ends and its output ends (float32): (d own
+    [S, H, P, N] in ``copy_dtype``, partials [S, H, chunks] float32). d own is summed in float32 in
+    grad_ends, which this overwrites (contiguous, not read by anyone else), then rounded once.
+    partials[s, h, c] = sum over chunk c of the state of d own[s] * ends[parent(s)]:
+    d cum_end[segment(s)] = exp(cum_end[segment(s)]) * their sum over chunks, which
+    :func:`segment_decay_backward` adds where it needs it (no [segments, H] tensor is built)."""
     slots, heads = ends.shape[:2]
     size = ends[0, 0].numel()
     chunks = triton.cdiv(size, SUM_BLOCK)
-    grad_own = torch.zeros_like(ends)
+    copy = torch.empty_like(grad_ends, dtype=copy_dtype)
     grad_decay = torch.empty(slots, heads, chunks, device=ends.device)
     _chain_bwd_kernel[(heads, chunks)](
-        grad_own, grad_decay, grad_ends.contiguous(), ends, cum_end, slot_segment, slot_parent,
+        grad_ends, copy, grad_decay, ends, cum_end, slot_segment, slot_parent,
         slots, heads, size, BLOCK=SUM_BLOCK,
     )  # fmt: skip
-    slot_grad = grad_decay.sum(-1) * torch.exp(cum_end[slot_segment])  # [S, H]
-    return grad_own, torch.zeros_like(cum_end).index_put((slot_segment,), slot_grad)
+    return copy, grad_decay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -773,8 +825,12 @@ class ForkedStates:
 
     Attributes: segments, the row's segments and their pieces (the segment walk's table); own
     and children, the token tables of every internal segment's own tokens and of its children's
-    tokens (slot = its index among the internal segments); slot_segment, slot_parent [S] int64
-    and has_parent_slots, the chain's tables (``TreeScanPlan``).
+    tokens (slot = its index among the internal segments); slot_segment, slot_parent [S] int64 and
+    segment_chain_slot, the chain's tables (``TreeScanPlan``).
+
+    Every row runs the chain, also a row whose internal segments have no parent (there it only
+    rounds the states): one path and one set of kernel variants for every row, which the mixer's
+    warm-up compiles with one forest.
     """
 
     segments: SegmentPieces
@@ -782,7 +838,7 @@ class ForkedStates:
     children: TokenBlocks
     slot_segment: torch.Tensor
     slot_parent: torch.Tensor
-    has_parent_slots: bool
+    segment_chain_slot: torch.Tensor
 
     @classmethod
     def of(cls, forest: ForestTensors, plan) -> "ForkedStates":
@@ -797,7 +853,7 @@ class ForkedStates:
             children=TokenBlocks.of(forest, "child tokens", lambda: plan.host_child_tokens),
             slot_segment=plan.slot_segment,
             slot_parent=plan.slot_parent,
-            has_parent_slots=plan.has_parent_slots,
+            segment_chain_slot=plan.segment_chain_slot,
         )
 
     def forward(self, y, x, z, dt, A, B, C):
@@ -811,10 +867,11 @@ class ForkedStates:
         bits, with one launch of the segment walk, rather than keep 8 bytes per token and head.
         """
         cum, weight, cum_end = segment_decay(dt, A, self.segments)
-        ends = state_sum(x, None, B, weight, self.own, exp_weight=False)
-        if self.has_parent_slots:
-            ends = chain_states(ends, cum_end, self.slot_segment, self.slot_parent)
-        token_product(z, C, cum, ends, self.children, exp_weight=True, out=y)
+        own = state_sum(x, None, B, weight, self.own, exp_weight=False)
+        ends, product_ends = chain_states(
+            own, cum_end, self.slot_segment, self.slot_parent, copy_dtype=C.dtype
+        )
+        token_product(z, C, cum, product_ends, self.children, exp_weight=True, out=y)
         return (ends,)
 
     def backward(self, grad_y, saved, x, z, dt, A, B, C, *, grad_x, grad_dt, grad_B, grad_C,
@@ -828,20 +885,24 @@ class ForkedStates:
         grad_cum = token_grad(
             grad_y, z, C, cum, ends, self.children, exp_weight=True, grad_C=grad_C, grad_z=grad_z
         )
-        grad_own = state_sum(grad_y, z, C, cum, self.children, exp_weight=True)
-        grad_cum_end = None
-        if self.has_parent_slots:
-            grad_own, grad_cum_end = chain_states_backward(
-                grad_own, ends, cum_end, self.slot_segment, self.slot_parent
-            )
-        token_product(None, B, weight, grad_own, self.own, exp_weight=False, out=grad_x)
-        grad_weight = token_grad(
-            x, None, B, weight, grad_own, self.own, exp_weight=False, grad_C=grad_B
+        grad_own, chain_partial = chain_states_backward(
+            state_sum(grad_y, z, C, cum, self.children, exp_weight=True),
+            ends,
+            cum_end,
+            self.slot_segment,
+            self.slot_parent,
+            copy_dtype=B.dtype,
         )
+        # dx (the own states' token product) and dB, dw (their token gradient) in one pass.
+        grad_weight = token_grad(
+            x, None, B, weight, grad_own, self.own, exp_weight=False, grad_C=grad_B,
+            product_out=grad_x,
+        )  # fmt: skip
         return segment_decay_backward(
             grad_cum,
             grad_weight,
-            grad_cum_end,
+            chain_partial,
+            self.segment_chain_slot,
             dt,
             A,
             self.segments,

@@ -214,6 +214,12 @@ def test_plan_lists_internal_segments_parents_first(forest_sequences):
         assert parent_slot < slot and (parent_slot < 0) == (parents[segment] < 0)
         children = plan.child_tokens[slot].numpy()
         assert np.all(parents[layout.token_segment[children]] == segment)
+    chained = {segment: slot for slot, (segment, *_, parent_slot) in enumerate(plan.internal)
+               if parent_slot >= 0}  # fmt: skip
+    assert chained
+    assert plan.segment_chain_slot.tolist() == [
+        chained.get(segment, -1) for segment in range(len(parents))
+    ]
     child_tokens = np.flatnonzero(parents[layout.token_segment] >= 0)
     assert np.array_equal(np.sort(plan.all_child_tokens.numpy()), child_tokens)
     assert plan.seq_idx.dtype == torch.int32 and plan.seq_idx.shape == (1, layout.num_tokens)

@@ -35,11 +35,13 @@ CHUNK = 64
 TOLERANCE = {"cpu": 1e-5, torch.float32: 5e-3, torch.bfloat16: 3e-2}
 
 
-def forest(device):
-    """Depth 3; the root has 190 tokens and 180 child tokens (> TOKENS_PER_BLOCK, > one split)."""
+def forest(device, row="depth-3"):
+    """Depth 3; the root has 190 tokens and 180 child tokens (> TOKENS_PER_BLOCK, > one split).
+    ``row="stars"``: the same without the middle segment, so no internal segment has a parent
+    (the chain only copies the states, and no segment's log-decay gets a gradient from it)."""
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, 50, 190).tolist()
-    middle = rng.integers(1, 50, 30).tolist()
+    middle = rng.integers(1, 50, 30).tolist() if row == "depth-3" else []
     sequences = [prompt + rng.integers(1, 50, n).tolist() for n in (1, 60, 89)]
     sequences += [prompt + middle + rng.integers(1, 50, n).tolist() for n in (5, 70)]
     sequences += [[7, 8, 9], [7, 8, 10]]
@@ -75,8 +77,10 @@ def torch_scan_functions():
     return forward, backward
 
 
-def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: bool = False):
-    """Run both implementations; return the largest relative error over output and gradients."""
+def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: bool = False,
+            row_kind: str = "depth-3"):  # fmt: skip
+    """Run both implementations on ``forest(device, row_kind)``; return the largest relative error
+    over output and gradients."""
     from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
         triton_inherited_state,
     )
@@ -88,8 +92,9 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
         triton_inherited_state.DECAY_BLOCK_H = 2
         triton_inherited_state.DECAY_SUM_T = 128  # pieces of 64 tokens start inside a sum block
         triton_inherited_state.DECAY_PIECES = 3
-    row = forest(device)
-    assert tree_scan.TreeScanPlan.of(row).has_parent_slots  # the chain runs
+    row = forest(device, row_kind)
+    chained = tree_scan.TreeScanPlan.of(row).segment_chain_slot >= 0
+    assert bool(chained.any()) == (row_kind == "depth-3")
     torch.manual_seed(0)
     length = row.num_tokens
 
@@ -134,8 +139,8 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
 
 def test_interpreted_kernels_match_torch_oracle():
     pytest.importorskip("triton")
-    for small_blocks in ("0", "1"):
-        assert "relative error" in run_interpreted(__file__, small_blocks)
+    for small_blocks, row_kind in (("0", "depth-3"), ("1", "depth-3"), ("0", "stars")):
+        assert "relative error" in run_interpreted(__file__, small_blocks, row_kind)
 
 
 def test_token_blocks_cover_every_token_once_in_order():
@@ -202,6 +207,67 @@ def test_compiled_kernels_match_torch_oracle(dtype):
     compare("cuda", dtype, TOLERANCE[dtype])
 
 
+def _bits(tensor):
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_states_rounded_by_their_producers_and_fused_pass_give_the_separate_bits():
+    """The states reach the products in bf16 from the parent chain, forward and backward, and
+    the own states' backward runs its token product and token gradient as one pass: the chain's
+    copies are the bits of its float32 results rounded by torch, and the one pass gives the bits
+    of the two kernels run one after the other."""
+    from megatron.shared_prefix.ssm import triton_inherited_state as kernels
+
+    row = forest("cuda")
+    plan = tree_scan.TreeScanPlan.of(row)
+    fork = kernels.ForkedStates.of(row, plan)
+    torch.manual_seed(0)
+    length, dtype = row.num_tokens, torch.bfloat16
+    x = torch.randn(length, HEADS, HEAD_DIM, device="cuda").to(dtype)
+    B = torch.randn(length, GROUPS, STATE, device="cuda").to(dtype)
+    dt = torch.rand(length, HEADS, device="cuda") * 0.2 + 0.01
+    A = -torch.rand(HEADS, device="cuda") - 0.2
+    _, weight, cum_end = kernels.segment_decay(dt, A, fork.segments)
+
+    own = kernels.state_sum(x, None, B, weight, fork.own, exp_weight=False)
+    ends, ends_copy = kernels.chain_states(
+        own, cum_end, fork.slot_segment, fork.slot_parent, copy_dtype=dtype
+    )
+    assert torch.equal(_bits(ends_copy), _bits(ends.to(dtype)))
+    grad_ends = torch.randn_like(ends)
+    grad_own, _ = kernels.chain_states_backward(
+        grad_ends.clone(), ends, cum_end, fork.slot_segment, fork.slot_parent,
+        copy_dtype=torch.float32,
+    )  # fmt: skip
+    grad_own_copy, _ = kernels.chain_states_backward(
+        grad_ends.clone(), ends, cum_end, fork.slot_segment, fork.slot_parent, copy_dtype=dtype
+    )
+    assert grad_own.dtype == torch.float32 and torch.equal(
+        _bits(grad_own_copy), _bits(grad_own.to(dtype))
+    )
+
+    grad_x = torch.randn(length, HEADS, HEAD_DIM, device="cuda").to(dtype)
+    grad_B = torch.randn(length, GROUPS, STATE, device="cuda").to(dtype)
+    separate = [grad_x.clone(), grad_B.clone()]
+    kernels.token_product(
+        None, B, weight, grad_own_copy, fork.own, exp_weight=False, out=separate[0]
+    )
+    separate_w = kernels.token_grad(
+        x, None, B, weight, grad_own_copy, fork.own, exp_weight=False, grad_C=separate[1]
+    )
+    fused = [grad_x.clone(), grad_B.clone()]
+    fused_w = kernels.token_grad(
+        x, None, B, weight, grad_own_copy, fork.own, exp_weight=False, grad_C=fused[1],
+        product_out=fused[0],
+    )  # fmt: skip
+    assert not torch.equal(fused[0], grad_x)  # the product was added
+    for expected, actual in zip((*separate, separate_w), (*fused, fused_w)):
+        assert torch.equal(_bits(actual), _bits(expected))
+
+
 if __name__ == "__main__":  # run by test_interpreted_kernels_match_torch_oracle
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    print("relative error", compare("cpu", torch.float32, TOLERANCE["cpu"], sys.argv[1] == "1"))
+    worst = compare("cpu", torch.float32, TOLERANCE["cpu"], sys.argv[1] == "1", sys.argv[2])
+    print("relative error", worst)

@@ -179,6 +179,7 @@ ENTRIES = [
         sources=("megatron/shared_prefix/ssm/triton_inherited_state.py",),
         tests=(
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_forked_state_kernels_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_state_chain_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_scan_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
         ),
@@ -190,7 +191,9 @@ ENTRIES = [
             "into the scan's output and its gradients into the scan's, each element by one "
             "program. Every output element "
             "is written by one program; state sums run over fixed splits of each parent's tokens, "
-            "added in index order by a second kernel; no atomics. GPU replay in fp32 and bf16, "
+            "added in index order by a second kernel; no atomics. The parent chain reads back, "
+            "within a program, states it wrote for earlier slots, behind a barrier per slot "
+            "(replayed 20 times on its own). GPU replay in fp32 and bf16, "
             "with and without the gate, on a depth-3 row and a row whose parents span several "
             "splits; on CPU only the torch oracle runs (the interpreted kernels are checked "
             "against it in tests/unit_tests/ssm)."
