@@ -134,6 +134,14 @@ class ForestLayout:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "num_padding", num_padding)
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (a layout planned in a data-loader worker): the arrays come back writeable
+        copies; they are made read-only again, as the constructor leaves them."""
+        for value in state.values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+        self.__dict__.update(state)
+
     @property
     def num_tokens(self) -> int:
         """T: executed tokens of the row, padding included."""

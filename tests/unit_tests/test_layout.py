@@ -1,5 +1,8 @@
 """Tests of ForestLayout: derived fields, immutability, root paths and every check of validate()."""
 
+import dataclasses
+import pickle
+
 import numpy as np
 import pytest
 
@@ -44,6 +47,21 @@ def test_derived_fields_and_root_paths():
         value = getattr(layout, name)
         assert value.dtype == np.int64 and not value.flags.writeable
     assert "num_tokens=8" in repr(layout)
+
+
+def test_pickled_layout_stays_read_only():
+    """A layout planned in a data-loader worker crosses to the training process by pickling."""
+    layout = ForestLayout(**valid_fields())
+    copy = pickle.loads(pickle.dumps(layout))
+    assert copy.num_tokens == layout.num_tokens and copy.num_padding == layout.num_padding
+    for field in dataclasses.fields(ForestLayout):
+        value, original = getattr(copy, field.name), getattr(layout, field.name)
+        if isinstance(original, np.ndarray):
+            np.testing.assert_array_equal(value, original)
+            assert not value.flags.writeable, field.name
+        else:
+            assert value == original
+    copy.validate()
 
 
 def test_deep_chain_depths():
