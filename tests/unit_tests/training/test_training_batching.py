@@ -146,3 +146,6 @@ def test_empty_row_contributes_nothing():
     row = empty_row()
     assert row.num_tokens == 1 and row.units == 0
     assert len(row.layout.edge_source) == 0 and row.coefficients.shape == (0,)
+    # Shared by every step that pads (planned once), so nothing of it may change.
+    assert empty_row() is row and empty_row(128) is not row and empty_row(128).num_tokens == 128
+    assert not row.layout.tokens.flags.writeable  # its coefficients: none
