@@ -111,6 +111,9 @@ class BatchConfig:
             under ``--sequence-parallel`` times ``2 x --context-parallel-size`` (a row splits into
             equal chunks), the capacity for the allgather MoE dispatcher under expert parallelism
             (it stacks equal-length rows).
+        num_workers: data-loader worker processes that plan the coming steps while the current one
+            trains, under megatron.training (``--num-workers``); 0 plans each step in the training
+            process when its first micro-batch is asked for.
     """
 
     global_batch_size: int
@@ -120,6 +123,7 @@ class BatchConfig:
     normalization: LossNormalization
     data_parallel_size: int = 1
     pad_multiple: int = 1
+    num_workers: int = 0
 
     def __post_init__(self):
         _require(
@@ -131,6 +135,7 @@ class BatchConfig:
             f"--micro-batch-size must be >= 1, got {self.micro_batch_size}",
         )
         _require(self.capacity >= 1, f"--shared-prefix-capacity must be >= 1, got {self.capacity}")
+        _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         _require(
             self.capacity % self.pad_multiple == 0,
             f"--shared-prefix-capacity {self.capacity} must be a multiple of "
@@ -400,6 +405,7 @@ class RunConfig:
                 normalization=LossNormalization(args.shared_prefix_loss_normalization),
                 data_parallel_size=data_parallel_size,
                 pad_multiple=row_pad_multiple(args, capacity),
+                num_workers=args.num_workers,
             ),
             schedule=schedule if trainer == "loop" else None,
             logging=LoggingConfig(

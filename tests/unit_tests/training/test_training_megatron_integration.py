@@ -6,8 +6,11 @@ gradients are divided by the units summed over micro-batches and data-parallel r
 one after the other on one model, so their gradients add up as the data-parallel all-reduce would.
 """
 
+import dataclasses
 import json
+import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from megatron.shared_prefix.training.batching import build_step_batch
 from megatron.shared_prefix.training.config import ConfigError, RunConfig
 from megatron.shared_prefix.training.data import ExampleStream
 from megatron.shared_prefix.training.loop import train_step
+from megatron.shared_prefix.training import megatron_integration
 from megatron.shared_prefix.training.megatron_integration import (
     MegatronSession,
     RowIterator,
@@ -154,6 +158,90 @@ def test_rows_are_padded_to_the_micro_batch_count(megatron_world):
     empty = [row for row in step.micro_batches if len(row.layout.edge_source) == 0]
     assert 0 < len(empty) < 8  # the 8 examples pack into fewer rows; the rest are empty rows
     assert step.executed_tokens == sum(row.num_tokens for row in step.micro_batches)
+
+
+def assert_same(planned, expected, where="step"):
+    """Field by field, arrays bitwise: a step as planned against another."""
+    if dataclasses.is_dataclass(expected):
+        assert type(planned) is type(expected), where
+        for field in dataclasses.fields(expected):
+            name = f"{where}.{field.name}"
+            assert_same(getattr(planned, field.name), getattr(expected, field.name), name)
+    elif isinstance(expected, np.ndarray):
+        assert planned.dtype == expected.dtype, where
+        np.testing.assert_array_equal(planned, expected, err_msg=where)
+    elif isinstance(expected, tuple):
+        assert len(planned) == len(expected), where
+        for index, (a, b) in enumerate(zip(planned, expected)):
+            assert_same(a, b, f"{where}[{index}]")
+    else:
+        assert planned == expected, where
+
+
+def rows_of(config, dataset, num_workers, consumed_samples):
+    batch = dataclasses.replace(config.batch, num_workers=num_workers)
+    return RowIterator(
+        ExampleStream(dataset, 8),
+        batch,
+        rank=1,
+        consumed_samples=consumed_samples,
+        meter=meter_for(),
+    )
+
+
+@pytest.mark.parametrize("packing", ["--shared-prefix-packing", "--no-shared-prefix-packing"])
+def test_worker_planned_steps_equal_the_training_process_steps(
+    megatron_world, monkeypatch, packing
+):
+    """--num-workers N: the steps are planned in N DataLoader workers, not in the training process,
+    in order, the same steps (resuming mid-stream too) as planned in the training process."""
+    config, dataset, _ = setup([packing, "--num-workers", "2"], 2)
+    assert config.batch.num_workers == 2
+    expected_rows = rows_of(config, dataset, 0, consumed_samples=16)
+    expected = [expected_rows._next_step() for _ in range(5)]
+    assert expected_rows.consumed_samples == 16 + 5 * 8
+
+    training_process = os.getpid()
+    plan = megatron_integration.rank_step_batch
+
+    def plan_outside_the_training_process(*args, **kwargs):
+        assert os.getpid() != training_process, "a step was planned in the training process"
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(megatron_integration, "rank_step_batch", plan_outside_the_training_process)
+    rows = rows_of(config, dataset, 2, consumed_samples=16)
+    meter = rows.meter
+    micro_batches = config.batch.micro_batches_per_step
+    for index, step in enumerate(expected):
+        for micro_batch in step.micro_batches:
+            assert_same(next(rows), micro_batch, f"step {index}")
+        assert not rows._pending
+        assert_same(meter.step, step, f"step {index}")  # the meter counts the step as planned
+    assert rows.consumed_samples == 16 + 5 * 8 and len(step.micro_batches) == micro_batches
+    with pytest.raises(AssertionError, match="planned in the training process"):
+        next(rows_of(config, dataset, 0, consumed_samples=16))
+
+
+def test_worker_errors_reach_the_training_process(megatron_world):
+    """A step that a worker cannot plan fails the training process with the flags to change."""
+    config, dataset, _ = setup(
+        ["--global-batch-size", "16", "--micro-batch-size", "16", "--shared-prefix-capacity", "96"]
+        + ["--num-workers", "1"],
+        1,
+    )
+    rows = RowIterator(
+        ExampleStream(dataset, 16), config.batch, rank=0, consumed_samples=0, meter=meter_for()
+    )
+    with pytest.raises(
+        ConfigError, match=r"more than the 1 micro-batches per step .*--micro-batch-size 16"
+    ):
+        next(rows)
+
+
+def test_negative_worker_count_is_an_error():
+    args = parse_arguments(["--global-batch-size", "8", "--num-workers", "-1"])
+    with pytest.raises(ConfigError, match="--num-workers must be >= 0, got -1"):
+        RunConfig.from_args(args, trainer="megatron")
 
 
 def test_too_many_rows_for_the_micro_batch_count_is_an_error(megatron_world):
