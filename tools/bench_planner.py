@@ -9,9 +9,17 @@ Inputs are numpy int64 arrays (and numpy bool masks): converting 1M Python ints 
 ~30 ms, which would measure the caller's data format rather than the planner. The ``lists`` line
 times the same large batch given as Python lists, for reference.
 
+``--workers N`` times the training side instead: how long megatron.training's data iterator
+(``RowIterator``) holds the training process at the first micro-batch of each step, where the GPU
+waits (the optimizer step before it synchronizes), with every step planned in that process
+(``--num-workers 0``) and in N DataLoader workers. The steps are the 1M batch as global batches of
+an SFT-style dataset (the same examples, repeating), a sleep of ``--step-seconds`` standing for each
+step's GPU work.
+
 Usage:
     PYTHONPATH=. python tools/bench_planner.py [--repeats 11] [--capacity 16384] \
         [--pad-multiple 128] [--sft]
+    PYTHONPATH=. python tools/bench_planner.py --workers 2 [--repeats 11] [--step-seconds 0.3]
 """
 
 from __future__ import annotations
@@ -62,6 +70,60 @@ def time_plan(sequences, masks, capacity: int, pad_multiple: int, repeats: int):
     return statistics.median(times), min(times), plan
 
 
+def time_first_micro_batches(sequences, masks, args) -> list[tuple[str, float, float, int]]:
+    """[(setting, median ms, max ms, micro-batches per step)] of the training process's wait at
+    the first micro-batch of each step (after the first step, which starts the workers)."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.shared_prefix.training.config import BatchConfig
+    from megatron.shared_prefix.training.data import Dataset, Example, ExampleStream
+    from megatron.shared_prefix.training.loss import LossNormalization
+    from megatron.shared_prefix.training.megatron_integration import RowIterator
+
+    examples = [
+        Example(tokens, mask, mask.astype(np.float32), f"sequence {index}")
+        for index, (tokens, mask) in enumerate(zip(sequences, masks))
+    ]
+    dataset = Dataset(examples, "bench_planner", len(examples))
+
+    class Meter:  # the StepMeter's part the iterator calls
+        def begin_step(self, step):
+            pass
+
+    results = []
+    for micro_batch_size in (8, 1):
+        for workers in (0, args.workers):
+            batch = BatchConfig(
+                global_batch_size=len(examples),
+                micro_batch_size=micro_batch_size,
+                packing=True,
+                capacity=args.capacity,
+                normalization=LossNormalization.TOKEN,
+                pad_multiple=args.pad_multiple,
+                num_workers=workers,
+            )
+            rows = RowIterator(
+                ExampleStream(dataset, len(examples)),
+                batch,
+                rank=0,
+                consumed_samples=0,
+                meter=Meter(),
+            )
+            waits = []
+            for _ in range(args.repeats + 1):
+                start = time.perf_counter()
+                next(rows)
+                waits.append((time.perf_counter() - start) * 1e3)
+                for _ in range(len(rows._pending)):  # pylint: disable=protected-access
+                    next(rows)
+                time.sleep(args.step_seconds)
+            setting = f"--micro-batch-size {micro_batch_size}, --num-workers {workers}"
+            waits = waits[1:]
+            results.append(
+                (setting, statistics.median(waits), max(waits), batch.micro_batches_per_step)
+            )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=11)
@@ -70,7 +132,34 @@ def main() -> None:
     parser.add_argument(
         "--sft", action="store_true", help="loss_masks=None instead of completion masks"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="time megatron.training's data iterator with this many DataLoader workers instead",
+    )
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.3,
+        help="with --workers: the sleep standing for each step's GPU work",
+    )
     args = parser.parse_args()
+    if args.workers:
+        sequences, masks = make_batch(32, 4096, 8, 512)
+        print(
+            f"capacity={args.capacity} pad_multiple={args.pad_multiple}; {len(sequences)} "
+            f"sequences, {sum(len(s) for s in sequences)} tokens per step; step "
+            f"{args.step_seconds} s; {args.repeats} steps after the first"
+        )
+        header = "| setting | micro-batches per step | median ms | max ms |"
+        print(header)
+        print("|" + "---|" * (header.count("|") - 1))
+        for setting, median, worst, micro_batches in time_first_micro_batches(
+            sequences, masks, args
+        ):
+            print(f"| {setting} | {micro_batches} | {median:.2f} | {worst:.2f} |")
+        return
 
     cases = [  # name, prompts, prompt_len, completions, completion_len
         ("64K", 4, 1536, 8, 512),

@@ -248,7 +248,8 @@ PULL_REQUESTS = (
         "megatron/training/shared_prefix/ trains HybridModel on prefix forests: JSONL SFT and RL "
         "records (or a built-in dataset), batching into planned rows with per-target loss "
         "coefficients (token / sequence normalization, RL weights), the model from Megatron's "
-        "flags, megatron.training providers and forward step, a single-process loop for CPU, "
+        "flags, megatron.training providers and forward step (each step planned ahead in "
+        "--num-workers DataLoader workers), a single-process loop for CPU, "
         "metrics and checkpoints. pretrain_hybrid.py hands any --shared-prefix-* invocation to it "
         "before its own imports; without those flags it is unchanged.",
         "`python pretrain_hybrid.py --shared-prefix-packing --train-iters 20` trains the built-in "
@@ -511,6 +512,12 @@ RULES = (
         None,
         None,
         "tests the tree attention benchmark's sections, which stay here with the tool",
+    ),
+    Rule(
+        "tests/unit_tests/tools/test_bench_planner.py",
+        None,
+        None,
+        "tests the planner benchmark's data-loader timing, which stays here with the tool",
     ),
     Rule(
         "tests/unit_tests/tools/conftest.py",
