@@ -10,11 +10,24 @@ JSONL formats). With CUDA, training runs through ``megatron.training.pretrain``;
 same model, data and loss run through a single-process loop (``--shared-prefix-trainer`` chooses).
 """
 
+import os
 import sys
+import warnings
 
-from megatron.shared_prefix.training.arguments import TRAINERS, hide_irrelevant_warnings
-from megatron.shared_prefix.training.config import ConfigError
-from megatron.shared_prefix.training.data import DataError
+# mamba_ssm fixes its kernels' configurations when they are first imported (with the imports below):
+# unless the environment says otherwise, they run in its deterministic mode, one fixed configuration
+# each, so that runs and ranks give the same bits and no process autotunes (docs/training.md).
+os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
+
+# Import-time warnings of optional extensions (and mamba_ssm's advice on cached autotuning) stay
+# quiet unless asked for; main() then filters the run's own.
+with warnings.catch_warnings():
+    if "--shared-prefix-verbose" not in sys.argv:
+        warnings.simplefilter("ignore")
+    # pylint: disable=wrong-import-position
+    from megatron.shared_prefix.training.arguments import TRAINERS, hide_irrelevant_warnings
+    from megatron.shared_prefix.training.config import ConfigError
+    from megatron.shared_prefix.training.data import DataError
 
 
 def _trainer(argv: list[str]) -> str:

@@ -343,7 +343,9 @@ def megatron_argument_dump(verbose: bool):
 
 # Start-up warnings of megatron-core and torch that say nothing about a pretrain_hybrid.py run:
 # optional CUDA extensions this script does not use on CPU, and Megatron's indexed-dataset --split
-# (this script reads JSONL records, which have no splits). Regular expressions on the message.
+# (this script reads JSONL records, which have no splits), and mamba_ssm's advice to cache its
+# autotuning, which its deterministic mode (the script's default) does not run. Regular expressions
+# on the message.
 IRRELEVANT_WARNINGS = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
@@ -351,6 +353,7 @@ IRRELEVANT_WARNINGS = (
     r"Only transformer-engine>=\S+ supports MoE experts",
     r"Could not determine rank from torch\.distributed",
     r"Please specify --split when using --data-path",
+    r"Deterministic mode: (set TRITON_CACHE_AUTOTUNING=1|upgrade to Triton)",
 )
 
 

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,44 @@ def test_precompile_flag_is_refused_where_nothing_compiles(monkeypatch):
     with pytest.raises(ConfigError, match="--shared-prefix-precompile buckets needs CUDA"):
         RunConfig.from_args(args, trainer="loop")
     assert RunConfig.from_args(args, trainer="megatron").precompile == "buckets"
+
+
+# Loads the script as a module and prints MAMBA_DETERMINISTIC as it was when mamba_ssm was first
+# looked for (the training package looks for it on import, to provide the CPU fallback).
+_MAMBA_SSM_PROBE = textwrap.dedent(
+    """
+    import importlib.abc, importlib.util, os, sys
+
+    seen = []
+
+    class Probe(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "mamba_ssm" and not seen:
+                seen.append(os.environ.get("MAMBA_DETERMINISTIC"))
+
+    sys.meta_path.insert(0, Probe())
+    spec = importlib.util.spec_from_file_location("script", sys.argv[1])
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    print(seen)
+    """
+)
+
+
+@pytest.mark.parametrize("given, expected", [(None, "['1']"), ("0", "['0']")])
+def test_script_sets_mamba_ssm_deterministic_before_loading_it(tmp_path, given, expected):
+    """mamba_ssm reads its mode when its kernels are first imported, so the script must set the
+    default before its own imports; an explicit setting is kept."""
+    env = dict(os.environ, TORCH_COMPILE_DISABLE="1", PYTHONPATH=REPO)
+    env.pop("MAMBA_DETERMINISTIC", None)
+    if given is not None:
+        env["MAMBA_DETERMINISTIC"] = given
+    result = subprocess.run(
+        [sys.executable, "-c", _MAMBA_SSM_PROBE, os.path.join(REPO, "pretrain_hybrid.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.splitlines()[-1] == expected
