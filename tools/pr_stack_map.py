@@ -538,7 +538,12 @@ import sys
 if __name__ == "__main__" and any(
     arg.startswith(("--shared-prefix-", "--no-shared-prefix-")) for arg in sys.argv[1:]
 ):
+    import os
     import warnings
+
+    # mamba_ssm fixes its kernels' configurations when first imported: by default they run in its
+    # deterministic mode, one fixed configuration each, the same in every run and rank.
+    os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
 
     # Import-time warnings of optional extensions stay quiet unless asked for; the entry point
     # then filters the run's own (--shared-prefix-verbose keeps both).
