@@ -214,22 +214,31 @@ def test_precompile_flag_is_refused_where_nothing_compiles(monkeypatch):
     assert RunConfig.from_args(args, trainer="megatron").precompile == "buckets"
 
 
-# Loads the script as a module and prints MAMBA_DETERMINISTIC as it was when mamba_ssm was first
-# looked for (the training package looks for it on import, to provide the CPU fallback).
+# Runs the script as the program with a --shared-prefix-* flag and prints MAMBA_DETERMINISTIC as it
+# was when mamba_ssm was first looked for, stopping there (the training package looks for it on
+# import, to provide the CPU fallback; upstream's script, as the PR stack exports it, on importing
+# the entry point). --help ends a run that never looks.
 _MAMBA_SSM_PROBE = textwrap.dedent(
     """
-    import importlib.abc, importlib.util, os, sys
+    import importlib.abc, os, runpy, sys
 
     seen = []
 
+    class Found(BaseException):
+        pass
+
     class Probe(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "mamba_ssm" and not seen:
+            if name == "mamba_ssm":
                 seen.append(os.environ.get("MAMBA_DETERMINISTIC"))
+                raise Found
 
     sys.meta_path.insert(0, Probe())
-    spec = importlib.util.spec_from_file_location("script", sys.argv[1])
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    sys.argv = [sys.argv[1], "--shared-prefix-packing", "--help"]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except (Found, SystemExit):
+        pass
     print(seen)
     """
 )
