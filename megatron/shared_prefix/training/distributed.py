@@ -17,6 +17,7 @@ pin the ptxas that Triton compiles with (:func:`pin_triton_ptxas`), as ``pretrai
 import datetime
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import MutableMapping, Optional
 
@@ -49,6 +50,28 @@ def pin_triton_ptxas(environ: MutableMapping[str, str] = os.environ) -> Optional
         environ["TRITON_PTXAS_PATH"] = str(ptxas)
         return str(ptxas)
     return None
+
+
+def mamba_ssm_kernels() -> str:
+    """How this process runs mamba_ssm's kernels, for the start-up log line.
+
+    Its deterministic mode (docs/training.md, Compilation and warm-up) decides both speed and
+    bitwise repeatability, and pretrain_hybrid.py turns it on unless ``MAMBA_DETERMINISTIC`` is
+    set, so a run says which mode it got.
+    """
+    ssd = sys.modules.get("mamba_ssm.ops.triton.ssd_combined")
+    if getattr(ssd, "__shared_prefix_fallback__", False):
+        return "pure-torch SSD (mamba_ssm not installed)"
+    try:
+        from mamba_ssm.utils import determinism
+    except ImportError:  # a mamba_ssm without a deterministic mode
+        return "mamba_ssm autotuned in each process"
+    if not determinism.use_deterministic_mode():
+        return "mamba_ssm autotuned in each process, atomic backward sums (MAMBA_DETERMINISTIC=0)"
+    cached = os.environ.get("TRITON_CACHE_AUTOTUNING") == "1"
+    if cached and determinism.TRITON_HAS_CACHE_RESULTS:
+        return "mamba_ssm deterministic, autotuned once into TRITON_CACHE_DIR"
+    return "mamba_ssm deterministic, cheapest configurations (MAMBA_DETERMINISTIC=1)"
 
 
 def _prepare_device(device: torch.device, seed: int) -> None:

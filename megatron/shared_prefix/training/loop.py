@@ -39,7 +39,11 @@ from megatron.shared_prefix.training.checkpointing import (
 )
 from megatron.shared_prefix.training.config import ConfigError, RunConfig, ScheduleConfig
 from megatron.shared_prefix.training.data import ExampleStream, repetition_warning
-from megatron.shared_prefix.training.distributed import init_single_process, shutdown_parallel
+from megatron.shared_prefix.training.distributed import (
+    init_single_process,
+    mamba_ssm_kernels,
+    shutdown_parallel,
+)
 from megatron.shared_prefix.training.integrity import iteration_to_load
 from megatron.shared_prefix.training.metrics import MetricsWriter, StepMetrics, open_tensorboard
 from megatron.shared_prefix.training.model import (
@@ -270,6 +274,7 @@ def run(argv: Sequence[str], log: Callable[[str], None] = print) -> list[StepMet
         f"[shared-prefix] trainer: {processes} on {where}"
         f" | packing: {'on' if config.batch.packing else 'off (dense)'}"
         f" | loss normalization: {config.batch.normalization.value}"
+        f" | Mamba kernels: {mamba_ssm_kernels()}"
     )
     log(f"[shared-prefix] data: {dataset.summary()}")
     for note in dataset.notes:

@@ -54,7 +54,7 @@ from megatron.shared_prefix.training.arguments import (
 from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
 from megatron.shared_prefix.training.data import Dataset, ExampleStream, repetition_warning
-from megatron.shared_prefix.training.distributed import pin_triton_ptxas
+from megatron.shared_prefix.training.distributed import mamba_ssm_kernels, pin_triton_ptxas
 from megatron.shared_prefix.training.integrity import (
     TRACKER_NAME,
     iteration_dir,
@@ -699,7 +699,8 @@ def pretrain_with_megatron() -> None:
         f"[shared-prefix] trainer: megatron.training.pretrain on {args.world_size} GPU(s) "
         f"| packing: {'on' if config.batch.packing else 'off (dense)'} "
         f"| loss normalization: {config.batch.normalization.value} "
-        f"| {config.batch.micro_batches_per_step} micro-batches per step and rank"
+        f"| {config.batch.micro_batches_per_step} micro-batches per step and rank "
+        f"| Mamba kernels: {mamba_ssm_kernels()}"
     )
     print_rank_0(f"[shared-prefix] data: {dataset.summary()}")
     for note in dataset.notes:

@@ -1,10 +1,15 @@
-"""shutdown_parallel, in a fresh interpreter (the pytest process's own world stays up), and
-pin_triton_ptxas."""
+"""shutdown_parallel, in a fresh interpreter (the pytest process's own world stays up),
+pin_triton_ptxas and mamba_ssm_kernels."""
 
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+
+import pytest
+
+from megatron.shared_prefix.training.distributed import mamba_ssm_kernels
 
 ROOT = str(
     next(p for p in Path(__file__).resolve().parents if (p / "tests" / "unit_tests").is_dir())
@@ -64,3 +69,45 @@ def test_pin_triton_ptxas_uses_torchs_ptxas_and_keeps_an_explicit_one(tmp_path, 
     explicit = {"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}
     assert pin_triton_ptxas(explicit) == "/opt/cuda/bin/ptxas"
     assert explicit == {"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}
+
+
+def _mamba_ssm_with(monkeypatch, deterministic, cache_results):
+    """Stand-ins for mamba_ssm's kernel module and determinism switches."""
+    monkeypatch.setitem(
+        sys.modules, "mamba_ssm.ops.triton.ssd_combined", types.ModuleType("ssd_combined")
+    )
+    determinism = types.ModuleType("mamba_ssm.utils.determinism")
+    determinism.use_deterministic_mode = lambda: deterministic
+    determinism.TRITON_HAS_CACHE_RESULTS = cache_results
+    utils = types.ModuleType("mamba_ssm.utils")
+    utils.determinism = determinism
+    monkeypatch.setitem(sys.modules, "mamba_ssm", types.ModuleType("mamba_ssm"))
+    monkeypatch.setitem(sys.modules, "mamba_ssm.utils", utils)
+    monkeypatch.setitem(sys.modules, "mamba_ssm.utils.determinism", determinism)
+
+
+@pytest.mark.parametrize(
+    "deterministic, cache_results, cache_env, expected",
+    [
+        (False, True, "1", "autotuned in each process"),
+        (True, True, None, "deterministic, cheapest configurations"),
+        (True, True, "1", "deterministic, autotuned once into TRITON_CACHE_DIR"),
+        (True, False, "1", "deterministic, cheapest configurations"),
+    ],
+)
+def test_mamba_ssm_kernels_names_the_mode_the_run_got(
+    monkeypatch, deterministic, cache_results, cache_env, expected
+):
+    _mamba_ssm_with(monkeypatch, deterministic, cache_results)
+    if cache_env is None:
+        monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", cache_env)
+    assert expected in mamba_ssm_kernels()
+
+
+def test_mamba_ssm_kernels_names_the_fallback(monkeypatch):
+    fallback = types.ModuleType("ssd_combined")
+    fallback.__shared_prefix_fallback__ = True
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", fallback)
+    assert mamba_ssm_kernels() == "pure-torch SSD (mamba_ssm not installed)"

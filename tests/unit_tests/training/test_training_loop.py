@@ -15,6 +15,7 @@ from megatron.shared_prefix.training.checkpointing import (
 )
 from megatron.shared_prefix.training.config import ConfigError
 from megatron.shared_prefix.training.data import DataError
+from megatron.shared_prefix.training.distributed import mamba_ssm_kernels
 
 # Bookkeeping tests run attention + MoE only; learning and packed == dense use the default (M*-E).
 FAST = ("--hybrid-layer-pattern", "*-E")
@@ -31,7 +32,8 @@ def test_short_run_lowers_the_loss(train):
     losses = [m.loss for m in history]
     assert len(history) == 24
     assert sum(losses[-4:]) / 4 < 0.9 * sum(losses[:4]) / 4
-    assert any("single-process loop on cpu" in line for line in lines)
+    trainer = next(line for line in lines if "single-process loop on cpu" in line)
+    assert trainer.endswith(f"| Mamba kernels: {mamba_ssm_kernels()}")
     assert sum(" iteration " in line for line in lines) == 4  # iterations 1, 8, 16, 24
 
 
