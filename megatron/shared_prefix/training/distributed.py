@@ -17,11 +17,12 @@ pin the ptxas that Triton compiles with (:func:`pin_triton_ptxas`), as ``pretrai
 import datetime
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import MutableMapping, Optional
 
 import torch
+
+from megatron.shared_prefix.ssm.tree_scan import triton_chunk_scan
 
 
 def _torch_ptxas() -> Path:
@@ -59,8 +60,7 @@ def mamba_ssm_kernels() -> str:
     bitwise repeatability, and pretrain_hybrid.py turns it on unless ``MAMBA_DETERMINISTIC`` is
     set, so a run says which mode it got.
     """
-    ssd = sys.modules.get("mamba_ssm.ops.triton.ssd_combined")
-    if getattr(ssd, "__shared_prefix_fallback__", False):
+    if triton_chunk_scan() is None:
         return "pure-torch SSD (mamba_ssm not installed)"
     try:
         from mamba_ssm.utils import determinism

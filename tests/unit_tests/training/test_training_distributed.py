@@ -73,9 +73,12 @@ def test_pin_triton_ptxas_uses_torchs_ptxas_and_keeps_an_explicit_one(tmp_path, 
 
 def _mamba_ssm_with(monkeypatch, deterministic, cache_results):
     """Stand-ins for mamba_ssm's kernel module and determinism switches."""
-    monkeypatch.setitem(
-        sys.modules, "mamba_ssm.ops.triton.ssd_combined", types.ModuleType("ssd_combined")
-    )
+    ssd_combined = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
+    ssd_combined.mamba_chunk_scan_combined = lambda *args, **kwargs: None
+    triton = types.ModuleType("mamba_ssm.ops.triton")
+    triton.ssd_combined = ssd_combined
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton", triton)
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", ssd_combined)
     determinism = types.ModuleType("mamba_ssm.utils.determinism")
     determinism.use_deterministic_mode = lambda: deterministic
     determinism.TRITON_HAS_CACHE_RESULTS = cache_results
@@ -107,7 +110,10 @@ def test_mamba_ssm_kernels_names_the_mode_the_run_got(
 
 
 def test_mamba_ssm_kernels_names_the_fallback(monkeypatch):
-    fallback = types.ModuleType("ssd_combined")
+    fallback = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
     fallback.__shared_prefix_fallback__ = True
+    triton = types.ModuleType("mamba_ssm.ops.triton")
+    triton.ssd_combined = fallback
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton", triton)
     monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", fallback)
     assert mamba_ssm_kernels() == "pure-torch SSD (mamba_ssm not installed)"
