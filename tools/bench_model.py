@@ -42,7 +42,8 @@ Times are wall-clock milliseconds of a whole step (synchronized at its end, so h
 step counts), the median of ``--repeats`` steps after two warm-up steps. The "steps queued"
 columns time the same steps queued back to back without that synchronization (``queued``), as the
 micro-batches of a training step run, where a step's host work overlaps the previous step's GPU
-work.
+work. The "tables from workers" columns time the synchronized steps with every row's forest tables
+built beforehand on the CPU (``tensors.prepare_forest``), as DataLoader workers build them.
 
 Usage:
     python tools/bench_model.py [--patterns moe,nemotron] [--repeats 5] [--first-step moe]
@@ -476,6 +477,9 @@ def layer_times(model, rows, repeats, device):
 
 def bench_batch(model, name, sequences, loss_masks, args, device):
     """One table row (and its JSON record) for one batch."""
+    from megatron.shared_prefix.models.hybrid.hybrid_model import forest_tables
+    from megatron.shared_prefix.tensors import prepare_forest
+
     logical = sum(len(s) for s in sequences)
     tree_rows = plan_shared_prefix(
         sequences, loss_masks, capacity=args.capacity, pad_multiple=PAD_MULTIPLE
@@ -483,9 +487,20 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
     packed_rows = dense_rows(sequences, loss_masks, args.capacity)
     tree_tokens = sum(row.num_tokens for row in tree_rows)
     results, queued_ms = {}, {}
+    # As DataLoader workers hand them over (``--num-workers``): every table built on the CPU
+    # beforehand, moved to the GPU in the step.
+    tables = forest_tables(model, torch.device(device))
     for method, step in (
         ("tree", forest_step(model, tree_rows)),
         ("packed dense", forest_step(model, packed_rows)),
+        (
+            "tree, tables from workers",
+            forest_step(model, [prepare_forest(row, tables) for row in tree_rows]),
+        ),
+        (
+            "packed dense, tables from workers",
+            forest_step(model, [prepare_forest(row, tables) for row in packed_rows]),
+        ),
         (
             "padded",
             padded_step(model, padded_micro_batches(sequences, loss_masks, args.capacity), device),
@@ -494,7 +509,7 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         model.zero_grad(set_to_none=False)
         try:
             results[method] = timed(step, args.repeats, device)
-            if method != "padded":
+            if method in ("tree", "packed dense"):
                 queued_ms[method] = queued(step, args.repeats, device)
         except torch.cuda.OutOfMemoryError:
             results[method] = None
@@ -506,6 +521,11 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
     dense_attention, dense_output = component_times(model, packed_rows, args.repeats, device)
     tree_attention, tree_output = component_times(model, tree_rows, args.repeats, device)
     ideal = component_ideal(dense_ms, dense_attention, dense_output, token_ratio, pair_ratio)
+    prepared_tree_ms = results["tree, tables from workers"][0]
+    prepared_dense_ms = results["packed dense, tables from workers"][0]
+    prepared_ideal = component_ideal(
+        prepared_dense_ms, dense_attention, dense_output, token_ratio, pair_ratio
+    )
     dense_layers = layer_times(model, packed_rows, args.repeats, device)
     tree_layers = layer_times(model, tree_rows, args.repeats, device)
     dense_token_wise = dense_ms - dense_attention - dense_output
@@ -527,6 +547,8 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         ),
         "component ideal": ideal,
         "tree / ideal": dense_ms / tree_ms / ideal,
+        "speedup, tables from workers": prepared_dense_ms / prepared_tree_ms,
+        "tree / ideal, tables from workers": prepared_dense_ms / prepared_tree_ms / prepared_ideal,
         "speedup, steps queued": queued_ms["packed dense"] / queued_ms["tree"],
         "tree / ideal, steps queued": queued_ms["packed dense"] / queued_ms["tree"] / ideal,
         # Per component: dense time / ratio over the tree's time (1.00 = the component is ideal).
@@ -551,6 +573,8 @@ def bench_batch(model, name, sequences, loss_masks, args, device):
         "tree_ms": tree_ms,
         "dense_ms": dense_ms,
         "padded_ms": None if results["padded"] is None else results["padded"][0],
+        "tree_prepared_ms": prepared_tree_ms,
+        "dense_prepared_ms": prepared_dense_ms,
         "tree_queued_ms": queued_ms["tree"],
         "dense_queued_ms": queued_ms["packed dense"],
         "dense_attention_ms": dense_attention,
@@ -863,7 +887,11 @@ def markdown(tables, first, command, args):
             "forward+backward at its row shapes), output layer + loss (same targets: ratio 1; "
             "with MTP once per depth as well) and the rest (dense shares column); tree "
             "token-wise / ideal and tree attention / ideal apply the same split to the tree "
-            "step; steps queued: the same steps, tree and packed dense, queued back to back "
+            "step; tables from workers: the same synchronized steps, tree and packed dense, "
+            "with every row's forest tables built on the CPU beforehand (as --num-workers "
+            "DataLoader workers build them) and moved to the GPU in the step, the ideal "
+            "recomputed from that dense step; steps queued: the same steps, tree and packed "
+            "dense, queued back to back "
             f"with no synchronization between them ({args.repeats} behind a lead step, GPU time "
             "per step), as the micro-batches of a longer training step run: each step's host "
             "work overlaps the GPU work of the step before it, where the synchronized steps "

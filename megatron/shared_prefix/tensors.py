@@ -11,10 +11,11 @@ unchanged, and a module sees a forest only inside the forward (and backward, see
 """
 
 import contextlib
+import copy
 import contextvars
 import dataclasses
 import functools
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -192,6 +193,27 @@ class ForestTensors:
         # ``host_subtree_end``, which host-built tables read: the same array, not computed again.
         forest._derived["host_subtree_end"] = token_subtree_end
         return forest
+
+    def to(self, device: torch.device | str) -> "ForestTensors":
+        """This forest, built on the host, on ``device``: every field and every table derived so
+        far, in one host-to-device transfer (``hosts_to_device``).
+
+        A DataLoader worker builds a row's tables ahead on the CPU (:func:`prepare_forest`); the
+        training process then only copies them, instead of building them inside the forward while
+        the GPU waits. Derived tables must be tensors, numpy arrays, Python scalars or strings, or
+        tuples, lists, dicts and dataclasses of them (and of forests); nested structures keep
+        their sharing (a table that holds a field of the forest holds the moved field).
+        """
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        if self.device.type != "cpu":
+            raise ValueError(f"ForestTensors.to moves a forest built on the CPU, not on {self.device}")
+        found: dict[int, torch.Tensor] = {}
+        _visit(self, found.setdefault)
+        moved = hosts_to_device([tensor.numpy() for tensor in found.values()], device)
+        replacement = {key: tensor.view(found[key].shape) for key, tensor in zip(found, moved)}
+        return _rebuilt(self, replacement, {})
 
     @property
     def num_tokens(self) -> int:
@@ -431,3 +453,91 @@ class ForestTensors:
             current = np.where(current >= 0, predecessor[np.maximum(current, 0)], -1)
             table[:, step] = current
         return table
+
+
+_PLAIN = (np.ndarray, np.generic, int, float, bool, str, bytes, type(None))
+
+
+def _visit(value, on_tensor) -> None:
+    """Call ``on_tensor(id, tensor)`` for every tensor inside ``value`` (``ForestTensors.to``)."""
+    if isinstance(value, torch.Tensor):
+        on_tensor(id(value), value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _visit(item, on_tensor)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _visit(item, on_tensor)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _visit(getattr(value, field.name), on_tensor)
+    elif not isinstance(value, _PLAIN):
+        raise TypeError(
+            f"a forest table holds a {type(value).__name__}, which ForestTensors.to cannot move "
+            "(keep tensors, arrays, scalars and tuples, lists, dicts or dataclasses of them)"
+        )
+
+
+def _rebuilt(value, replacement: dict, memo: dict):
+    """``value`` with every tensor ``t`` replaced by ``replacement[id(t)]``; tuples and dataclasses
+    are rebuilt only where something inside changed, dicts and lists always, and an object reached
+    twice is rebuilt once."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        result = replacement[id(value)]
+    elif isinstance(value, dict):  # mutable: always a new one (a forest's cache is not shared)
+        result = {key: _rebuilt(item, replacement, memo) for key, item in value.items()}
+    elif isinstance(value, list):
+        result = [_rebuilt(item, replacement, memo) for item in value]
+    elif isinstance(value, tuple):
+        items = [_rebuilt(item, replacement, memo) for item in value]
+        if all(new is old for new, old in zip(items, value)):
+            result = value
+        elif hasattr(value, "_fields"):  # a namedtuple
+            result = type(value)(*items)
+        else:
+            result = tuple(items)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {
+            field.name: _rebuilt(getattr(value, field.name), replacement, memo)
+            for field in dataclasses.fields(value)
+        }
+        if all(fields[name] is getattr(value, name) for name in fields):
+            result = value
+        else:
+            result = copy.copy(value)
+            for name, item in fields.items():
+                object.__setattr__(result, name, item)
+    else:
+        result = value
+    memo[id(value)] = result
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class ForestTable:
+    """A table that a model builds from every forest it runs, as a picklable request:
+    ``build(forest, *args)`` builds it and caches it on the forest (``ForestTensors.derive``).
+
+    ``build`` is a module-level function and ``args`` plain values, so the request crosses to a
+    DataLoader worker, which builds the table ahead (:func:`prepare_forest`). Equal requests
+    (same function and arguments) build the same table.
+    """
+
+    build: Callable[..., object]
+    args: tuple = ()
+
+    def __call__(self, forest: ForestTensors) -> None:
+        self.build(forest, *self.args)
+
+
+def prepare_forest(layout: ForestLayout, tables) -> ForestTensors:
+    """``layout``'s ForestTensors on the CPU with every table of ``tables`` (ForestTable
+    requests) built and cached: what a DataLoader worker hands the training process, which moves
+    it to the GPU with ``ForestTensors.to`` and builds nothing more of it (a table missing from
+    ``tables`` is still built there, on first use)."""
+    forest = ForestTensors.from_layout(layout, "cpu")
+    for table in tables:
+        table(forest)
+    return forest

@@ -17,7 +17,7 @@ from megatron.shared_prefix.tensor_parallel.context_parallel import (
     heads_to_whole_row,
     whole_row_to_heads,
 )
-from megatron.shared_prefix.tensors import current_forest
+from megatron.shared_prefix.tensors import ForestTable, current_forest
 
 TREE_ATTENTION_BACKENDS = ("auto", "torch", "flex", "flash")
 
@@ -45,6 +45,17 @@ def tree_attention_backend(tree_backend: str, query, forest):
     if use_flex_attention(tree_backend, query.is_cuda, forest.num_tokens):
         return flex_backend
     return torch_backend
+
+
+def prepare_tree_attention(forest, tree_backend: str, on_cuda: bool) -> None:
+    """Build and cache what the backend that ``tree_backend`` picks for ``forest`` on a CUDA
+    device (``on_cuda``) or elsewhere reads of it (a ``ForestTable`` build)."""
+    if tree_backend == "flash" and on_cuda:
+        return
+    if use_flex_attention(tree_backend, on_cuda, forest.num_tokens):
+        flex_backend.prepare_tree_attention(forest)
+    else:
+        torch_backend.prepare_tree_attention(forest)
 
 
 class TreeDotProductAttention(DotProductAttention):
@@ -87,6 +98,11 @@ class TreeDotProductAttention(DotProductAttention):
         self.cp_group = getattr(self.pg_collection, "cp", None)
         if self.cp_group is None:
             self.cp_group = parallel_state.get_context_parallel_group()
+
+    def forest_tables(self, device: torch.device) -> tuple[ForestTable, ...]:
+        """What this layer builds from every forest on ``device`` (``hybrid_model.forest_tables``):
+        the tables of the backend that runs there (flash's passes are left to the forward)."""
+        return (ForestTable(prepare_tree_attention, (self.tree_backend, device.type == "cuda")),)
 
     def forward(
         self,

@@ -276,15 +276,7 @@ def tree_block_mask(
     padding alone have no key block, and no tile holding a padded key is full.
     """
     num_tokens = forest.num_tokens if num_tokens is None else num_tokens
-    end = np.pad(forest.host_subtree_end(), (0, num_tokens - forest.num_tokens))
-    partial, full = block_tiles(end, block_size)
-    lists = [
-        *_ordered_lists(partial),
-        *_ordered_lists(full),
-        *_ordered_lists(partial.T),
-        *_ordered_lists(full.T),
-    ]
-    end, *lists = hosts_to_device([end.astype(np.int64), *lists], forest.device)
+    end, *lists = tree_block_tables(forest, block_size, num_tokens)
     kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices, full_q_num, full_q_indices = (
         lists
     )
@@ -301,6 +293,34 @@ def tree_block_mask(
         BLOCK_SIZE=(block_size, block_size),
         mask_mod=tree_mask_mod(end),
     )
+
+
+def tree_block_tables(
+    forest: ForestTensors, block_size: int = BLOCK_SIZE, num_tokens: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``tree_block_mask`` (the padded subtree ends, then the key-side and
+    query-side block counts and indices), cached on the forest: plain tensors, so a DataLoader
+    worker can build them ahead (``prepare_tree_attention``); the BlockMask around them is
+    built where it runs."""
+    num_tokens = forest.num_tokens if num_tokens is None else num_tokens
+
+    def build():
+        end = np.pad(forest.host_subtree_end(), (0, num_tokens - forest.num_tokens))
+        partial, full = block_tiles(end, block_size)
+        lists = [
+            *_ordered_lists(partial),
+            *_ordered_lists(full),
+            *_ordered_lists(partial.T),
+            *_ordered_lists(full.T),
+        ]
+        return hosts_to_device([end.astype(np.int64), *lists], forest.device)
+
+    return forest.derive(("flex_block_tables", block_size, num_tokens), build)
+
+
+def prepare_tree_attention(forest: ForestTensors) -> None:
+    """Build and cache what ``tree_attention`` reads of ``forest`` (a ``ForestTable`` build)."""
+    tree_block_tables(forest, BLOCK_SIZE, run_length(forest.num_tokens)[0])
 
 
 class _FirstTokens(torch.autograd.Function):

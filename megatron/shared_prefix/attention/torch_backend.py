@@ -14,6 +14,11 @@ import torch
 from megatron.shared_prefix.tensors import ForestTensors
 
 
+def prepare_tree_attention(forest: ForestTensors, block_size: int = 128) -> None:
+    """Build and cache what ``tree_attention`` reads of ``forest`` (its key blocks)."""
+    forest.attention_key_blocks(block_size)
+
+
 def tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,

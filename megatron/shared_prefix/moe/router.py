@@ -42,7 +42,7 @@ from megatron.shared_prefix.moe.statistics import (
     weighted_expert_counts,
 )
 from megatron.shared_prefix.moe.validation import moe_forest_errors
-from megatron.shared_prefix.tensors import ForestTensors, current_forest, rank_split
+from megatron.shared_prefix.tensors import ForestTable, ForestTensors, current_forest, rank_split
 
 # Rows per gating GEMM on a forest: large enough to keep the GEMM efficient, small enough that
 # padding the last block costs little.
@@ -173,6 +173,14 @@ class TreeTopKRouter(TopKRouter):
             )
         if errors:
             raise ValueError("TreeTopKRouter cannot route this forest: " + "; ".join(errors))
+
+    def forest_tables(self, device: torch.device) -> tuple[ForestTable, ...]:
+        """What this router builds from every forest (``hybrid_model.forest_tables``)."""
+        split = rank_split(self.config, self.tp_group, self.cp_group)
+        return (
+            ForestTable(forest_routing_tables),
+            ForestTable(ForestTensors.local_tokens, split),
+        )
 
     def _local_tokens(self, forest: ForestTensors) -> torch.Tensor:
         """[T_local] packed indices of the tokens this rank routes (its context- and

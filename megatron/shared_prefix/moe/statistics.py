@@ -17,7 +17,6 @@ scatter is involved.
 """
 
 import dataclasses
-import weakref
 
 import numpy as np
 import torch
@@ -146,15 +145,6 @@ class ForestRoutingTables:
         return prefix[self.sequence_stop] - prefix[self.sequence_start]
 
 
-_TABLES: "weakref.WeakKeyDictionary[ForestTensors, ForestRoutingTables]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def forest_routing_tables(forest: ForestTensors) -> ForestRoutingTables:
-    """The routing tables of ``forest``, built on first use and kept as long as the forest lives."""
-    tables = _TABLES.get(forest)
-    if tables is None:
-        tables = ForestRoutingTables.build(forest)
-        _TABLES[forest] = tables
-    return tables
+    """The routing tables of ``forest``, built on first use and cached on it."""
+    return forest.derive("routing_tables", lambda: ForestRoutingTables.build(forest))

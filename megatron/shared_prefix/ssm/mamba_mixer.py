@@ -17,13 +17,18 @@ install_mamba_ssm_fallback()
 from megatron.core.ssm import mamba_mixer as _core_mixer  # noqa: E402
 from megatron.core.ssm.mamba_mixer import MambaMixer  # noqa: E402
 
-from megatron.shared_prefix.ssm.tree_conv import CONV_BACKENDS, tree_causal_conv1d  # noqa: E402
+from megatron.shared_prefix.ssm.tree_conv import (  # noqa: E402
+    CONV_BACKENDS,
+    prepare_tree_conv,
+    tree_causal_conv1d,
+)
 from megatron.shared_prefix.ssm.tree_scan import (  # noqa: E402
     TREE_SCAN_BACKENDS,
     packed_chunk_scan,
+    prepare_tree_scan,
     tree_ssd_scan,
 )
-from megatron.shared_prefix.tensors import ForestTensors, current_forest  # noqa: E402
+from megatron.shared_prefix.tensors import ForestTable, ForestTensors, current_forest  # noqa: E402
 
 
 class TreeMambaMixer(MambaMixer):
@@ -112,6 +117,11 @@ class TreeMambaMixer(MambaMixer):
             )
         if errors:
             raise ValueError("TreeMambaMixer cannot run this forest forward: " + "; ".join(errors))
+
+    def forest_tables(self, device: torch.device) -> tuple[ForestTable, ...]:
+        """What this layer builds from every forest on ``device`` (``hybrid_model.forest_tables``;
+        the scan's Triton tables too where Triton imports, used on CUDA)."""
+        return (ForestTable(prepare_tree_scan), ForestTable(prepare_tree_conv, (self.d_conv,)))
 
     def scan_signature(self) -> tuple:
         """What the kernels of this layer's forest path are compiled for, besides the row: its

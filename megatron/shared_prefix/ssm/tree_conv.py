@@ -56,6 +56,12 @@ def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, tor
     return forest.derive(("tree_conv_fixup", width), build)
 
 
+def prepare_tree_conv(forest: ForestTensors, width: int) -> None:
+    """Build and cache what ``tree_causal_conv1d`` reads of ``forest`` for a conv of ``width``
+    taps (a ``ForestTable`` build)."""
+    _fixup_windows(forest, width)
+
+
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
     """Whether ``backend`` runs the row conv of x [1, T, d] on the Triton kernel: "auto" does for
     CUDA tensors of the kernel's dtypes whose offsets fit its int32 arithmetic."""

@@ -336,6 +336,20 @@ class TreeScanPlan:
         )
 
 
+def prepare_tree_scan(forest: ForestTensors) -> None:
+    """Build and cache what ``tree_ssd_scan`` reads of ``forest``, the forked states' Triton
+    tables included where Triton imports (a ``ForestTable`` build)."""
+    plan = TreeScanPlan.of(forest)
+    if not plan.internal:
+        return
+    try:
+        # pylint: disable-next=import-outside-toplevel
+        from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
+    except ImportError:  # no Triton: the fork runs in torch, from the plan alone
+        return
+    ForkedStates.of(forest, plan)
+
+
 def _compute_dtype(*tensors):
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from megatron.shared_prefix.training.loss import (
     row_units,
     target_coefficients,
 )
+
+if TYPE_CHECKING:
+    from megatron.shared_prefix.tensors import ForestTensors
 
 __all__ = [
     "PackedRow",
@@ -50,11 +53,15 @@ class PackedRow:
         layout: the row (tokens, segments, edges); the model returns its [E] edge losses.
         coefficients: [E] float32 loss coefficient of each edge.
         units: this row's share of the step's loss divisor.
+        forest: the row's ForestTensors built ahead on the CPU by a DataLoader worker
+            (``tensors.prepare_forest``), which the forward moves to the GPU instead of building
+            its tables there; None: the forward builds them from the layout.
     """
 
     layout: ForestLayout
     coefficients: np.ndarray
     units: int
+    forest: Optional[ForestTensors] = None
 
     @property
     def num_tokens(self) -> int:

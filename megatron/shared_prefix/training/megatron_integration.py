@@ -36,10 +36,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import io
 import os
 import pickle
 import sys
 import time
+import warnings
 from typing import Callable, Optional
 
 import numpy as np
@@ -51,7 +53,14 @@ from megatron.shared_prefix.training.arguments import (
     megatron_argument_dump,
     parse_without_validation,
 )
-from megatron.shared_prefix.training.batching import StepBatch, build_step_batch, empty_row
+from megatron.shared_prefix.models.hybrid.hybrid_model import forest_tables
+from megatron.shared_prefix.tensors import prepare_forest
+from megatron.shared_prefix.training.batching import (
+    PackedRow,
+    StepBatch,
+    build_step_batch,
+    empty_row,
+)
 from megatron.shared_prefix.training.config import BatchConfig, ConfigError, RunConfig
 from megatron.shared_prefix.training.data import Dataset, ExampleStream, repetition_warning
 from megatron.shared_prefix.training.distributed import mamba_ssm_kernels, pin_triton_ptxas
@@ -274,24 +283,68 @@ class StepBatches(torch.utils.data.IterableDataset):
     Iterated in a DataLoader of N workers, worker ``w`` plans steps ``w, w + N, ...``; the loader
     takes one item from each worker in turn, so the steps arrive in order. A step is a function of
     the consumed-sample count alone, so a resumed run gets the same steps either way.
+
+    With ``forest_tables`` (the model's ``hybrid_model.forest_tables``), every packed row also
+    gets its ForestTensors built on the CPU with those tables (``PackedRow.forest``): in a worker,
+    that is host work the training process no longer does inside the forward.
     """
 
     def __init__(
-        self, stream: ExampleStream, batch: BatchConfig, *, rank: int, consumed_samples: int
+        self,
+        stream: ExampleStream,
+        batch: BatchConfig,
+        *,
+        rank: int,
+        consumed_samples: int,
+        forest_tables: tuple = (),
     ):
         super().__init__()
         self.stream = stream
         self.batch = batch
         self.rank = rank
         self.consumed_samples = consumed_samples
+        self.forest_tables = forest_tables
 
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
         step, stride = (0, 1) if worker is None else (worker.id, worker.num_workers)
         while True:
             consumed = self.consumed_samples + step * self.batch.global_batch_size
-            yield rank_step_batch(self.stream.global_batch(consumed), self.batch, self.rank)
+            planned = rank_step_batch(self.stream.global_batch(consumed), self.batch, self.rank)
+            yield with_prepared_forests(planned, self.forest_tables)
             step += stride
+
+
+def with_prepared_forests(step: StepBatch, tables: tuple) -> StepBatch:
+    """``step`` with every packed row's ForestTensors built on the CPU with ``tables``
+    (``tensors.prepare_forest``); ``step`` itself when there are no tables."""
+    if not tables:
+        return step
+    micro_batches = tuple(
+        dataclasses.replace(row, forest=prepare_forest(row.layout, tables))
+        if isinstance(row, PackedRow)
+        else row
+        for row in step.micro_batches
+    )
+    return dataclasses.replace(step, micro_batches=micro_batches)
+
+
+def _tensor_from_array(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``array`` (read-only when it is a view of the shared step: nothing
+    writes the tables of a prepared forest)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+class _ArraysOutOfBand(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays, whose bytes protocol 5 hands out of band (a tensor's
+    own pickle carries its bytes in the stream)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            return _tensor_from_array, (obj.numpy(),)
+        return NotImplemented
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +366,9 @@ class _SharedStep:
     def of(cls, step: StepBatch) -> "_SharedStep":
         """(The DataLoader's collate function, run in the worker.)"""
         buffers = []
-        data = pickle.dumps(step, protocol=5, buffer_callback=buffers.append)
+        stream = io.BytesIO()
+        _ArraysOutOfBand(stream, protocol=5, buffer_callback=buffers.append).dump(step)
+        data = stream.getvalue()
         raw = [np.frombuffer(buffer.raw(), dtype=np.uint8) for buffer in buffers]
         arrays = torch.from_numpy(np.concatenate(raw) if raw else np.zeros(0, dtype=np.uint8))
         return cls(data, arrays, tuple(len(r) for r in raw))
@@ -352,7 +407,8 @@ class RowIterator:
     With ``batch.num_workers`` > 0 the steps are planned ahead in DataLoader worker processes
     (:func:`step_batch_iterator`): the host work of planning leaves the training process, where it
     would run at the start of every step while the GPU waits (the optimizer step before it
-    synchronizes).
+    synchronizes). The workers then also build each row's ``forest_tables`` (the model's
+    ``hybrid_model.forest_tables``), which the forward would otherwise build while the GPU waits.
     """
 
     def __init__(
@@ -363,12 +419,14 @@ class RowIterator:
         rank: int,
         consumed_samples: int,
         meter: StepMeter,
+        forest_tables: tuple = (),
     ):
         self.stream = stream
         self.batch = batch
         self.rank = rank
         self.consumed_samples = consumed_samples
         self.meter = meter
+        self.forest_tables = forest_tables
         self._pending: collections.deque = collections.deque()
         self._steps = None
 
@@ -384,7 +442,12 @@ class RowIterator:
         """This rank's micro-batches of the next global batch (padded to the fixed count)."""
         if self._steps is None:
             steps = StepBatches(
-                self.stream, self.batch, rank=self.rank, consumed_samples=self.consumed_samples
+                self.stream,
+                self.batch,
+                rank=self.rank,
+                consumed_samples=self.consumed_samples,
+                # Built in this process, tables would only move host work around.
+                forest_tables=self.forest_tables if self.batch.num_workers else (),
             )
             self._steps = step_batch_iterator(steps, self.batch.num_workers)
         step = next(self._steps)
@@ -419,6 +482,7 @@ class MegatronSession:
         self._device = device
         self.meter: Optional[StepMeter] = None
         self._precompiled = False
+        self.forest_tables: tuple = ()
 
     @property
     def device(self) -> torch.device:
@@ -442,6 +506,10 @@ class MegatronSession:
             post_process=post_process,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
+        )
+        # Every chunk's tables (virtual pipeline stages build the model a chunk at a time).
+        self.forest_tables = tuple(
+            dict.fromkeys(self.forest_tables + forest_tables(model, self.device))
         )
         if not self._precompiled:
             # Once per process: a model of virtual pipeline stages is built a chunk at a time.
@@ -495,6 +563,7 @@ class MegatronSession:
             rank=parallel_state.get_data_parallel_rank(),
             consumed_samples=args.consumed_train_samples,
             meter=self.meter,
+            forest_tables=self.forest_tables,
         )
         return rows, None, None
 

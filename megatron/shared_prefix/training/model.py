@@ -166,14 +166,14 @@ def forward_micro_batch(model: torch.nn.Module, micro_batch: MicroBatch, device:
     ``ForestLosses`` (``edge_loss`` [E] and the MTP depths' [D, E], D = 0 without MTP), for a
     dense batch [b, S].
 
-    A packed row runs the forest forward (the model builds its device tensors from the layout); a
+    A packed row runs the forest forward (the model builds its device tensors from the layout, or
+    moves the ones a DataLoader worker prepared, ``PackedRow.forest``); a
     dense batch runs the plain HybridModel forward with labels and loss mask (from which it
     computes its MTP loss, if any).
     """
     if isinstance(micro_batch, PackedRow):
-        return model(
-            None, None, None, shared_prefix_layout=micro_batch.layout, shared_prefix_mtp_losses=True
-        )
+        row = micro_batch.layout if micro_batch.forest is None else micro_batch.forest
+        return model(None, None, None, shared_prefix_layout=row, shared_prefix_mtp_losses=True)
     if not isinstance(micro_batch, DenseMicroBatch):
         raise TypeError(f"unknown micro-batch type {type(micro_batch).__name__}")
     tokens = torch.from_numpy(micro_batch.tokens).to(device)

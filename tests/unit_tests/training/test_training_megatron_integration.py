@@ -170,6 +170,13 @@ def assert_same(planned, expected, where="step"):
     elif isinstance(expected, np.ndarray):
         assert planned.dtype == expected.dtype, where
         np.testing.assert_array_equal(planned, expected, err_msg=where)
+    elif isinstance(expected, torch.Tensor):
+        assert planned.dtype == expected.dtype and planned.device == expected.device, where
+        assert torch.equal(planned, expected), where
+    elif isinstance(expected, dict):
+        assert planned.keys() == expected.keys(), where
+        for key in expected:
+            assert_same(planned[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, tuple):
         assert len(planned) == len(expected), where
         for index, (a, b) in enumerate(zip(planned, expected)):
@@ -220,6 +227,43 @@ def test_worker_planned_steps_equal_the_training_process_steps(
     assert rows.consumed_samples == 16 + 5 * 8 and len(step.micro_batches) == micro_batches
     with pytest.raises(AssertionError, match="planned in the training process"):
         next(rows_of(config, dataset, 0, consumed_samples=16))
+
+
+def test_workers_prepare_the_rows_forest_tables(megatron_world):
+    """With the model's forest tables, workers hand over each packed row's ForestTensors built
+    with them, equal table by table to the same preparation in the training process; without
+    workers the rows carry none (the forward builds them)."""
+    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
+    from megatron.shared_prefix.models.hybrid.hybrid_model import forest_tables
+    from megatron.shared_prefix.tensors import prepare_forest
+    from tiny import tiny_config
+
+    model = SharedPrefixHybridModel(
+        tiny_config(num_layers=3, num_moe_experts=4, moe_router_topk=2, add_bias_linear=False),
+        hybrid_stack_spec=hybrid_stack_spec(4, mamba_chunk_size=8),
+        vocab_size=64,
+        max_sequence_length=512,
+        hybrid_layer_pattern="M*E",
+        position_embedding_type="rope",
+    )
+    tables = forest_tables(model, torch.device("cpu"))
+    config, dataset, _ = setup(["--num-workers", "2"], 2)
+    in_process = rows_of(config, dataset, 0, consumed_samples=0)
+    in_process.forest_tables = tables
+    expected = [in_process._next_step() for _ in range(2)]
+    assert all(row.forest is None for step in expected for row in step.micro_batches)
+
+    rows = rows_of(config, dataset, 2, consumed_samples=0)
+    rows.forest_tables = tables
+    prepared = 0
+    for step in expected:
+        for micro_batch in step.micro_batches:
+            row = next(rows)
+            assert_same(row.layout, micro_batch.layout)
+            assert row.forest is not None and row.forest.layout.num_tokens == row.num_tokens
+            assert_same(row.forest, prepare_forest(micro_batch.layout, tables))
+            prepared += 1
+    assert prepared == 2 * config.batch.micro_batches_per_step
 
 
 def test_worker_errors_reach_the_training_process(megatron_world):

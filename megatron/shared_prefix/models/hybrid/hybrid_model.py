@@ -45,7 +45,13 @@ from megatron.shared_prefix.tensor_parallel.cross_entropy import (
     vocab_parallel_edge_prediction_matches,
 )
 from megatron.shared_prefix.tensor_parallel.random import bracket_for_recompute
-from megatron.shared_prefix.tensors import ForestTensors, forest_scope, host_to_device, rank_split
+from megatron.shared_prefix.tensors import (
+    ForestTable,
+    ForestTensors,
+    forest_scope,
+    host_to_device,
+    rank_split,
+)
 
 
 class ForestLosses(NamedTuple):
@@ -69,7 +75,11 @@ class ForestLosses(NamedTuple):
 
 
 def forest_forward(
-    model: HybridModel, layout: ForestLayout, *, mtp_losses: bool = False, **forward_args
+    model: HybridModel,
+    layout: ForestLayout | ForestTensors,
+    *,
+    mtp_losses: bool = False,
+    **forward_args,
 ):
     """The forest forward of ``model`` (a HybridModel built from ``hybrid_stack_spec()``).
 
@@ -78,7 +88,9 @@ def forest_forward(
 
     Args:
         model: the HybridModel.
-        layout: the row to run.
+        layout: the row to run: a ForestLayout, or its ForestTensors built ahead on the CPU with
+            the model's ``forest_tables`` (``tensors.prepare_forest``, as DataLoader workers
+            build them), moved to the model's device here in one transfer.
         mtp_losses: return :class:`ForestLosses` instead of attaching the MTP loss
             (``shared_prefix_mtp_losses`` of SharedPrefixHybridModel.forward).
         forward_args: HybridModel.forward's other arguments by name (input_ids, position_ids,
@@ -91,8 +103,13 @@ def forest_forward(
         on the others the stage's output hidden states (see SharedPrefixHybridModel.forward).
     """
     forward_args.pop("runtime_gather_output", None)
+    prepared = layout if isinstance(layout, ForestTensors) else None
+    layout = layout if prepared is None else prepared.layout
     validate_forest_forward(model, layout, **forward_args)
-    forest = ForestTensors.from_layout(layout, _device(model))
+    if prepared is None:
+        forest = ForestTensors.from_layout(layout, _device(model))
+    else:
+        forest = prepared.to(_device(model))
     with forest_scope(forest):
         hidden_states = _forest_stack(model, forest)
         if not model.post_process:
@@ -111,6 +128,31 @@ def forest_forward(
     if mtp_losses:
         return ForestLosses(edge_loss, mtp_loss, mtp_correct)
     return _attach_mtp_loss(model, forest, edge_loss, mtp_loss, mtp_correct)
+
+
+def forest_tables(
+    model: HybridModel, device: Optional[torch.device] = None
+) -> tuple[ForestTable, ...]:
+    """What ``model``'s forest forward builds from every row on ``device`` (default: where its
+    parameters are; Megatron's model provider builds a model before moving it), as picklable
+    requests (``tensors.ForestTable``), without duplicates: the rank's tokens and edge projection,
+    then each tree-aware module's tables (Mamba scan and conv, attention block tables, MoE
+    routing). ``tensors.prepare_forest(layout, forest_tables(model))`` builds them ahead, on the
+    CPU; with every one of them built, the forward builds nothing more of a row (MTP depths'
+    rows excepted: they are built in the forward).
+    """
+    split = rank_split(model.config, model.pg_collection.tp, model.pg_collection.cp)
+    tables = [ForestTable(ForestTensors.local_tokens, (split[0], split[1]))]
+    if model.post_process:
+        tables.append(ForestTable(ForestTensors.edge_projection, split))
+        chunk_tokens = getattr(model, "shared_prefix_output_chunk_tokens", 0)
+        if chunk_tokens:
+            chunk_rows = max(1, chunk_tokens // split[2])
+            tables.append(ForestTable(ForestTensors.edge_projection_chunks, (chunk_rows, *split)))
+    for module in model.modules():
+        if module is not model and hasattr(module, "forest_tables"):
+            tables.extend(module.forest_tables(torch.device(device or _device(model))))
+    return tuple(dict.fromkeys(tables))
 
 
 def _device(model: HybridModel) -> torch.device:
@@ -463,7 +505,7 @@ class SharedPrefixHybridModel(HybridModel):
         loss_mask: Optional[Tensor] = None,
         packed_seq_params=None,
         padding_mask: Optional[Tensor] = None,
-        shared_prefix_layout: Optional[ForestLayout] = None,
+        shared_prefix_layout: Optional[ForestLayout | ForestTensors] = None,
         shared_prefix_mtp_losses: bool = False,
     ):
         """HybridModel.forward, or with ``shared_prefix_layout`` the [E] float32 per-edge loss.
@@ -471,6 +513,8 @@ class SharedPrefixHybridModel(HybridModel):
         With a layout, ``input_ids`` and ``position_ids`` are the layout's ``tokens`` and
         ``position_ids`` as [1, T] tensors (or None); the returned losses follow the layout's edge
         order. Everything that the layout defines (masks, labels, packing) must not be passed.
+        ``shared_prefix_layout`` may also be the row's ForestTensors prepared on the CPU
+        (``forest_forward``).
 
         With MTP layers the MTP loss enters the backward pass as in HybridModel (the row as the
         micro-batch: MTPLossAutoScaler, whose scale megatron's schedule sets, and
