@@ -208,7 +208,9 @@ class ForestTensors:
         if self.device == device:
             return self
         if self.device.type != "cpu":
-            raise ValueError(f"ForestTensors.to moves a forest built on the CPU, not on {self.device}")
+            raise ValueError(
+                f"ForestTensors.to moves a forest built on the CPU, not on {self.device}"
+            )
         found: dict[int, torch.Tensor] = {}
         _visit(self, found.setdefault)
         moved = hosts_to_device([tensor.numpy() for tensor in found.values()], device)

@@ -233,20 +233,21 @@ def test_workers_prepare_the_rows_forest_tables(megatron_world):
     """With the model's forest tables, workers hand over each packed row's ForestTensors built
     with them, equal table by table to the same preparation in the training process; without
     workers the rows carry none (the forward builds them)."""
-    from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec
-    from megatron.shared_prefix.models.hybrid.hybrid_model import forest_tables
-    from megatron.shared_prefix.tensors import prepare_forest
-    from tiny import tiny_config
+    from megatron.shared_prefix.attention.dot_product_attention import prepare_tree_attention
+    from megatron.shared_prefix.moe.statistics import forest_routing_tables
+    from megatron.shared_prefix.ssm.tree_conv import prepare_tree_conv
+    from megatron.shared_prefix.ssm.tree_scan import prepare_tree_scan
+    from megatron.shared_prefix.tensors import ForestTable, ForestTensors, prepare_forest
 
-    model = SharedPrefixHybridModel(
-        tiny_config(num_layers=3, num_moe_experts=4, moe_router_topk=2, add_bias_linear=False),
-        hybrid_stack_spec=hybrid_stack_spec(4, mamba_chunk_size=8),
-        vocab_size=64,
-        max_sequence_length=512,
-        hybrid_layer_pattern="M*E",
-        position_embedding_type="rope",
+    # What hybrid_model.forest_tables gives an "M*E" model on a GPU.
+    tables = (
+        ForestTable(ForestTensors.local_tokens, (1, 0, 1, 0)),
+        ForestTable(ForestTensors.edge_projection, (1, 0, 1, 0)),
+        ForestTable(prepare_tree_scan),
+        ForestTable(prepare_tree_conv, (4,)),
+        ForestTable(prepare_tree_attention, ("auto", True)),
+        ForestTable(forest_routing_tables),
     )
-    tables = forest_tables(model, torch.device("cpu"))
     config, dataset, _ = setup(["--num-workers", "2"], 2)
     in_process = rows_of(config, dataset, 0, consumed_samples=0)
     in_process.forest_tables = tables

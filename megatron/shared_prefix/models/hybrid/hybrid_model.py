@@ -142,7 +142,8 @@ def forest_tables(
     rows excepted: they are built in the forward).
     """
     split = rank_split(model.config, model.pg_collection.tp, model.pg_collection.cp)
-    tables = [ForestTable(ForestTensors.local_tokens, (split[0], split[1]))]
+    # The rank's context-parallel tokens, keyed as the router asks for them (sp 1: the same table).
+    tables = [ForestTable(ForestTensors.local_tokens, (split[0], split[1], 1, 0))]
     if model.post_process:
         tables.append(ForestTable(ForestTensors.edge_projection, split))
         chunk_tokens = getattr(model, "shared_prefix_output_chunk_tokens", 0)

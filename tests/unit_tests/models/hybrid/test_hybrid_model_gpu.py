@@ -160,3 +160,58 @@ def test_forest_step_never_waits_for_the_gpu(build_model, forest_sequences):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepared_forest_step_on_the_gpu(build_model, forest_sequences):
+    """A row prepared on the CPU with the model's forest tables (as DataLoader workers hand rows
+    over): moved to the GPU without a synchronization, nothing left to build in the forward, and
+    losses and gradients bitwise those of the row whose tables the forward builds."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the forest MoE layer's grouped GEMM needs compute capability 8.0")
+    from megatron.shared_prefix.models.hybrid.hybrid_model import forest_tables
+    from megatron.shared_prefix.tensors import ForestTensors, prepare_forest
+
+    model = build_model(
+        "M*-ME",
+        num_moe_experts=4,
+        moe_router_topk=2,
+        add_bias_linear=False,
+        use_mamba_mem_eff_path=False,
+        **BF16_MODEL,
+    ).cuda()
+    layout = plan_shared_prefix(
+        forest_sequences(seed=3, depth=3, max_segment=150), capacity=4096, pad_multiple=128
+    ).rows[0]
+    prepared = prepare_forest(layout, forest_tables(model))
+    built = set(prepared._derived)
+
+    def step(row):
+        model.zero_grad(set_to_none=True)
+        losses = model(None, None, None, shared_prefix_layout=row)
+        losses.float().sum().backward()
+        return losses.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = step(layout)  # compiles
+    moved = []
+    original_to = ForestTensors.to
+
+    def recording_to(forest, device):
+        moved.append(original_to(forest, device))
+        return moved[-1]
+
+    busy = torch.randn(4096, 4096, device="cuda")
+    busy @ busy  # pylint: disable=pointless-statement  # queued work a synchronization would wait for
+    ForestTensors.to = recording_to
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        from_workers = step(prepared)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        ForestTensors.to = original_to
+    assert torch.equal(from_workers[0], plain[0])
+    assert len(from_workers[1]) == len(plain[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(from_workers[1], plain[1]))
+    (forest,) = moved
+    assert forest.device.type == "cuda" and set(forest._derived) == built
