@@ -96,6 +96,11 @@ def test_flex_block_mask_replay_cpu(forest_sequences, padding):
         )
 
     assert_bitwise_replay(fn, make_inputs)
+    # A second mask of the same forest is built around the tables cached by the first (the tables
+    # a DataLoader worker prepares, flex_backend.tree_block_tables): the same tensors.
+    forest = make_inputs()
+    first, second = fn(forest), fn(forest)
+    assert all(a is b for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.gpu

@@ -12,8 +12,9 @@ segments, one-token segments, windows crossing two segment boundaries and paddin
 multiples of the chunk size. Each replayed run builds the forest's index tables afresh
 (``fresh``): they are copied to the device without blocking the host, each group of tables in one
 transfer from a pinned staging buffer (``hosts_to_device``), so a run that read a table before its
-copy landed would not replay. The conv and scan tests also run once on tables built and landed
-before the run starts (``settled``) and demand run 0's bits: a staging buffer reused before its
+copy landed would not replay. The conv and scan tests also run once on tables built on the host
+beforehand, as DataLoader workers build them, and landed before the run starts (``settled``) and
+demand run 0's bits: a staging buffer reused before its
 copy ran would give every replayed run the same wrong tables, which replay alone cannot see.
 The forked states' backward does not keep the forward's log-decays and input weights: it runs the
 segment walk again, which must give the forward's bits whatever else the GPU is doing
@@ -25,9 +26,9 @@ import pytest
 import torch
 
 from megatron.shared_prefix.planning import plan_shared_prefix
-from megatron.shared_prefix.ssm.tree_conv import _fixup_windows, tree_causal_conv1d
-from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, tree_ssd_scan
-from megatron.shared_prefix.tensors import ForestTensors, forest_scope
+from megatron.shared_prefix.ssm.tree_conv import prepare_tree_conv, tree_causal_conv1d
+from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, prepare_tree_scan, tree_ssd_scan
+from megatron.shared_prefix.tensors import ForestTable, ForestTensors, forest_scope, prepare_forest
 
 from ..replay import assert_bitwise_replay, deterministic_settings
 
@@ -68,16 +69,12 @@ def fresh(forest):
 
 
 def settled(forest):
-    """A new ForestTensors of ``forest``'s layout whose conv, scan and forked-state tables are
-    built, and on CUDA copied, before it is returned (the device synchronized)."""
-    new = fresh(forest)
-    plan = TreeScanPlan.of(new)
-    _fixup_windows(new, WIDTH)
+    """A new ForestTensors of ``forest``'s layout whose conv, scan and forked-state tables were
+    built on the CPU beforehand, as DataLoader workers build them (``prepare_forest``), and moved
+    to the device before it is returned (the device synchronized)."""
+    tables = (ForestTable(prepare_tree_scan), ForestTable(prepare_tree_conv, (WIDTH,)))
+    new = prepare_forest(forest.layout, tables).to(forest.device)
     if new.device.type == "cuda":
-        # pylint: disable-next=import-outside-toplevel
-        from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
-
-        ForkedStates.of(new, plan)
         torch.cuda.synchronize()
     return new
 
