@@ -537,8 +537,9 @@ class ForestTable:
 def prepare_forest(layout: ForestLayout, tables) -> ForestTensors:
     """``layout``'s ForestTensors on the CPU with every table of ``tables`` (ForestTable
     requests) built and cached: what a DataLoader worker hands the training process, which moves
-    it to the GPU with ``ForestTensors.to`` and builds nothing more of it (a table missing from
-    ``tables`` is still built there, on first use)."""
+    it to the GPU with ``ForestTensors.to`` and builds no table of it (only wrappers around them,
+    such as FlexAttention's BlockMask; a table missing from ``tables`` is still built there, on
+    first use)."""
     forest = ForestTensors.from_layout(layout, "cpu")
     for table in tables:
         table(forest)

@@ -138,8 +138,9 @@ def forest_tables(
     requests (``tensors.ForestTable``), without duplicates: the rank's tokens and edge projection,
     then each tree-aware module's tables (Mamba scan and conv, attention block tables, MoE
     routing). ``tensors.prepare_forest(layout, forest_tables(model))`` builds them ahead, on the
-    CPU; with every one of them built, the forward builds nothing more of a row (MTP depths'
-    rows excepted: they are built in the forward).
+    CPU; with every one of them built, the forward builds no table of a row, only wrappers around
+    them such as FlexAttention's BlockMask (MTP depths' rows excepted: they are built in the
+    forward).
     """
     split = rank_split(model.config, model.pg_collection.tp, model.pg_collection.cp)
     # The rank's context-parallel tokens, keyed as the router asks for them (sp 1: the same table).

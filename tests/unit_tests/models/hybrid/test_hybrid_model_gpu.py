@@ -127,13 +127,9 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
         assert torch.equal(depth.main_edge_slot.cpu(), cpu_depth.main_edge_slot)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_forest_step_never_waits_for_the_gpu(build_model, forest_sequences):
-    """A whole forest training step of a model with every layer kind (Mamba, attention, MLP, MoE;
-    bf16), forward and backward, with synchronizing calls turned into errors. Each forward builds
-    its forest's tables anew from the layout, so every table's transfer is inside the checked
-    step; a step with a single synchronization lets the GPU run dry while the host catches up."""
+def _every_layer_kind(build_model, forest_sequences):
+    """A bf16 model with every layer kind (Mamba, attention, MLP, MoE) on the GPU, and a forest
+    row of a few hundred tokens for it."""
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the forest MoE layer's grouped GEMM needs compute capability 8.0")
     model = build_model(
@@ -147,6 +143,17 @@ def test_forest_step_never_waits_for_the_gpu(build_model, forest_sequences):
     layout = plan_shared_prefix(
         forest_sequences(seed=3, depth=3, max_segment=150), capacity=4096, pad_multiple=128
     ).rows[0]
+    return model, layout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_forest_step_never_waits_for_the_gpu(build_model, forest_sequences):
+    """A whole forest training step of a model with every layer kind (Mamba, attention, MLP, MoE;
+    bf16), forward and backward, with synchronizing calls turned into errors. Each forward builds
+    its forest's tables anew from the layout, so every table's transfer is inside the checked
+    step; a step with a single synchronization lets the GPU run dry while the host catches up."""
+    model, layout = _every_layer_kind(build_model, forest_sequences)
 
     def step():
         model(None, None, None, shared_prefix_layout=layout).float().sum().backward()
@@ -166,24 +173,15 @@ def test_forest_step_never_waits_for_the_gpu(build_model, forest_sequences):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prepared_forest_step_on_the_gpu(build_model, forest_sequences):
     """A row prepared on the CPU with the model's forest tables (as DataLoader workers hand rows
-    over): moved to the GPU without a synchronization, nothing left to build in the forward, and
-    losses and gradients bitwise those of the row whose tables the forward builds."""
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("the forest MoE layer's grouped GEMM needs compute capability 8.0")
+    over): moved to the GPU without a synchronization, no table left to build in the forward (the
+    FlexAttention BlockMask it caches is a wrapper around the moved block tables), and losses and
+    gradients bitwise those of the row whose tables the forward builds."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     from megatron.shared_prefix.models.hybrid.hybrid_model import forest_tables
     from megatron.shared_prefix.tensors import ForestTensors, prepare_forest
 
-    model = build_model(
-        "M*-ME",
-        num_moe_experts=4,
-        moe_router_topk=2,
-        add_bias_linear=False,
-        use_mamba_mem_eff_path=False,
-        **BF16_MODEL,
-    ).cuda()
-    layout = plan_shared_prefix(
-        forest_sequences(seed=3, depth=3, max_segment=150), capacity=4096, pad_multiple=128
-    ).rows[0]
+    model, layout = _every_layer_kind(build_model, forest_sequences)
     prepared = prepare_forest(layout, forest_tables(model))
     built = set(prepared._derived)
 
@@ -214,4 +212,11 @@ def test_prepared_forest_step_on_the_gpu(build_model, forest_sequences):
     assert len(from_workers[1]) == len(plain[1]) > 0
     assert all(torch.equal(a, b) for a, b in zip(from_workers[1], plain[1]))
     (forest,) = moved
-    assert forest.device.type == "cuda" and set(forest._derived) == built
+    assert forest.device.type == "cuda" and built <= set(forest._derived)
+    for key in set(forest._derived) - built:
+        block_mask = forest._derived[key]
+        assert key[0] == "flex_block_mask" and isinstance(block_mask, BlockMask), key
+        tables = forest._derived[("flex_block_tables", *key[1:])]
+        wrapped = [t for t in block_mask.as_tuple() if isinstance(t, torch.Tensor)]
+        assert len(wrapped) == len(tables) - 1  # the subtree ends are the mask function's
+        assert all(a is b for a, b in zip(wrapped, tables[1:])), key
