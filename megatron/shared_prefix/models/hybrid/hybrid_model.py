@@ -272,15 +272,20 @@ def _edge_losses(
     chunks, position = forest.edge_projection_chunks(chunk_rows, *split)
     losses, matches = [], []
     for start, stop, slot, targets in chunks:
-        # Each chunk's logits are freed after its loss and recomputed in the backward.
-        loss, correct = torch.utils.checkpoint.checkpoint(
-            project_and_loss,
-            source_states[start:stop],
-            slot,
-            targets,
-            use_reentrant=False,
-            preserve_rng_state=False,
-        )
+        # Each chunk's logits are freed after its loss and recomputed in the backward. Without
+        # early stop: it ends a recomputation by raising from the pack hook of the last saved
+        # tensor, here inside the edge loss's autograd Function; on CUDA with torch 2.11 that
+        # exception was lost and the backward failed with a SystemError (docs/benchmarks.md). The
+        # recomputation ends there anyway.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            loss, correct = torch.utils.checkpoint.checkpoint(
+                project_and_loss,
+                source_states[start:stop],
+                slot,
+                targets,
+                use_reentrant=False,
+                preserve_rng_state=False,
+            )
         losses.append(loss)
         matches.append(correct)
     correct = torch.cat(matches)[position] if with_correct else None
