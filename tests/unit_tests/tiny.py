@@ -1,6 +1,21 @@
-"""Tiny float32 configurations for CPU model tests."""
+"""Tiny float32 configurations for CPU model tests, and a small bf16 one for GPU tests."""
 
 import torch
+
+# A small bf16 model as Megatron builds one (MambaLayer casts its input to config.params_dtype),
+# for GPU tests: ``tiny_config`` overrides plus the Mamba chunk size of the stack spec; dimensions
+# the Triton kernels take (tl.dot needs at least 16 along each side).
+GPU_BF16_MODEL = dict(
+    mamba_chunk_size=64,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=512,
+    mamba_head_dim=32,
+    mamba_state_dim=32,
+    params_dtype=torch.bfloat16,
+    bf16=True,
+)
 
 
 def tiny_config(**overrides):

@@ -4,23 +4,9 @@ import numpy as np
 import pytest
 import torch
 from dense_reference import dense_edge_losses, relative_error
-from tiny import tiny_config
+from tiny import GPU_BF16_MODEL, tiny_config
 
 from megatron.shared_prefix.planning import plan_shared_prefix
-
-
-# A small bf16 model as Megatron builds one (MambaLayer casts its input to config.params_dtype).
-BF16_MODEL = dict(
-    mamba_chunk_size=64,
-    hidden_size=256,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=512,
-    mamba_head_dim=32,
-    mamba_state_dim=32,
-    params_dtype=torch.bfloat16,
-    bf16=True,
-)
 
 
 def _causal_conv1d_available():
@@ -57,7 +43,7 @@ def test_bf16_forest_within_dense_spread(build_model, forest_sequences, pattern)
     plan = plan_shared_prefix(sequences, capacity=4096, pad_multiple=128)
     # The dense runs take megatron's fused Mamba path only where causal-conv1d (which it needs) imports.
     model = build_model(
-        pattern, seed=0, use_mamba_mem_eff_path=_causal_conv1d_available(), **BF16_MODEL
+        pattern, seed=0, use_mamba_mem_eff_path=_causal_conv1d_available(), **GPU_BF16_MODEL
     ).cuda()
     errors, spreads = [], []
     with torch.no_grad():
@@ -138,7 +124,7 @@ def _every_layer_kind(build_model, forest_sequences):
         moe_router_topk=2,
         add_bias_linear=False,
         use_mamba_mem_eff_path=False,
-        **BF16_MODEL,
+        **GPU_BF16_MODEL,
     ).cuda()
     layout = plan_shared_prefix(
         forest_sequences(seed=3, depth=3, max_segment=150), capacity=4096, pad_multiple=128

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from dense_reference import gradients, relative_error
-from tiny import tiny_config
+from tiny import GPU_BF16_MODEL, tiny_config
 
 from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec, plan_shared_prefix
 
@@ -122,21 +122,6 @@ def test_megatron_overlapped_grad_reduce_takes_any_chunk_count(megatron_world):
         assert model.output_layer.weight.main_grad.abs().sum() > 0
 
 
-# The bf16 model of the other GPU tests (test_hybrid_model_gpu.py): dimensions the Triton kernels
-# take (tl.dot needs at least 16 along each side).
-GPU_MODEL = dict(
-    mamba_chunk_size=64,
-    hidden_size=256,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=512,
-    mamba_head_dim=32,
-    mamba_state_dim=32,
-    params_dtype=torch.bfloat16,
-    bf16=True,
-)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pattern", ["*-", "M-M*-"])
@@ -158,7 +143,7 @@ def test_chunked_step_on_the_gpu(megatron_world, pattern):
             chunk,
             vocab=vocab,
             use_mamba_mem_eff_path=False,
-            **GPU_MODEL,
+            **GPU_BF16_MODEL,
         ).cuda()
         model(None, None, None, shared_prefix_layout=row).float().sum().backward()
         with torch.no_grad():
