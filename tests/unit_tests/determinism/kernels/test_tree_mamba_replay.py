@@ -14,8 +14,8 @@ multiples of the chunk size. Each replayed run builds the forest's index tables 
 transfer from a pinned staging buffer (``hosts_to_device``), so a run that read a table before its
 copy landed would not replay. The conv and scan tests also run once on tables built on the host
 beforehand, as DataLoader workers build them, and landed before the run starts (``settled``) and
-demand run 0's bits: a staging buffer reused before its
-copy ran would give every replayed run the same wrong tables, which replay alone cannot see.
+demand run 0's bits: a staging buffer reused before its copy ran would give every replayed run the
+same wrong tables, which replay alone cannot see.
 The forked states' backward does not keep the forward's log-decays and input weights: it runs the
 segment walk again, which must give the forward's bits whatever else the GPU is doing
 (``test_segment_decay_recompute_replay``).
