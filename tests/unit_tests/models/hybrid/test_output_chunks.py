@@ -14,6 +14,10 @@ from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec, p
 def _build(pattern, chunk, *, vocab=64, tied=False, seed=0, mamba_chunk_size=8, **config):
     depths = pattern.count("/")
     torch.manual_seed(seed)
+    if torch.cuda.is_available():  # the Mamba mixer initializes parameters in the tracker's fork
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
     return SharedPrefixHybridModel(
         tiny_config(
             num_layers=len(pattern.split("/")[0]), mtp_num_layers=depths or None, **config
