@@ -18,6 +18,18 @@ GPU_BF16_MODEL = dict(
 )
 
 
+def seed_initialization(seed):
+    """Seed a model's parameter initialization: ``torch.manual_seed``, and megatron's CUDA RNG
+    tracker where CUDA exists. megatron-core's MambaMixer initializes its conv and dt parameters
+    on the CUDA device inside the tracker's fork, whose state ``torch.manual_seed`` does not reset:
+    without it two builds of one seed differ on a GPU."""
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
 def tiny_config(**overrides):
     """A float32 TransformerConfig small enough for CPU tests, with every layer type usable."""
     from megatron.core.transformer import TransformerConfig

@@ -118,12 +118,9 @@ def build_mixer(*, chunk_size, hidden_size, heads, state, dtype, device="cpu"):
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
+    from tiny import seed_initialization
 
-    torch.manual_seed(0)
-    if torch.cuda.is_available():  # the mixer initializes parameters in the tracker's CUDA fork
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
+    seed_initialization(0)
     config = TransformerConfig(
         num_layers=1,
         hidden_size=hidden_size,

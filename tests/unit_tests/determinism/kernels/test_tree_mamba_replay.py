@@ -185,14 +185,11 @@ def _mixer(device, rmsnorm=True):
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
+    from tiny import seed_initialization
 
     from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
 
-    torch.manual_seed(0)
-    if torch.cuda.is_available():  # the mixer initializes parameters in the tracker's CUDA fork
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
+    seed_initialization(0)
     config = TransformerConfig(
         num_layers=1,
         hidden_size=32,

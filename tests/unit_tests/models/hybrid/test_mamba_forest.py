@@ -38,15 +38,11 @@ def build_mixer(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from tiny import tiny_config
+    from tiny import seed_initialization, tiny_config
 
     from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer
 
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():  # the mixer initializes parameters in the tracker's CUDA fork
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
+    seed_initialization(seed)
     config = tiny_config(params_dtype=dtype, **config)
     mixer = (cls or TreeMambaMixer)(
         config,

@@ -6,18 +6,14 @@ import numpy as np
 import pytest
 import torch
 from dense_reference import gradients, relative_error
-from tiny import GPU_BF16_MODEL, tiny_config
+from tiny import GPU_BF16_MODEL, seed_initialization, tiny_config
 
 from megatron.shared_prefix import SharedPrefixHybridModel, hybrid_stack_spec, plan_shared_prefix
 
 
 def _build(pattern, chunk, *, vocab=64, tied=False, seed=0, mamba_chunk_size=8, **config):
     depths = pattern.count("/")
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():  # the Mamba mixer initializes parameters in the tracker's fork
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
+    seed_initialization(seed)
     return SharedPrefixHybridModel(
         tiny_config(
             num_layers=len(pattern.split("/")[0]), mtp_num_layers=depths or None, **config
