@@ -315,6 +315,12 @@ RULES = (
     ),
     Rule("tests/unit_tests/ssm/", "tests/unit_tests/ssm/shared_prefix/", 3, "tests"),
     Rule(
+        "tests/unit_tests/tiny.py",
+        _HYBRID_TESTS + "tiny.py",
+        3,
+        "tiny test configs and a model's seeded initialization, first used by the Mamba tests",
+    ),
+    Rule(
         "tests/conftest.py",
         "tests/unit_tests/shared_prefix_fixtures.py",
         3,
@@ -343,7 +349,6 @@ RULES = (
         "router submodule of the MoE spec",
     ),
     Rule("tests/unit_tests/moe/", "tests/unit_tests/transformer/moe/shared_prefix/", 5, "tests"),
-    Rule("tests/unit_tests/tiny.py", _HYBRID_TESTS + "tiny.py", 5, "tiny test configs"),
     Rule(
         "tests/unit_tests/determinism/__init__.py",
         "tests/unit_tests/determinism/__init__.py",
