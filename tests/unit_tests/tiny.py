@@ -1,4 +1,5 @@
-"""Tiny float32 configurations for CPU model tests, and a small bf16 one for GPU tests."""
+"""Tiny float32 configurations for CPU model tests, a small bf16 one for GPU tests, and the
+seeding of a model's initialization."""
 
 import torch
 
