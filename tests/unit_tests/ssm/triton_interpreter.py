@@ -1,12 +1,16 @@
 """Run a test file's own checks under Triton's interpreter, on CPU.
 
 TRITON_INTERPRET=1 must be set before triton compiles anything in the process, so the checks run in
-a subprocess: the test file runs itself as a script.
+a subprocess: the test file runs itself as a script, with tests/unit_tests importable as under
+pytest (pyproject.toml's ``pythonpath``).
 """
 
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+UNIT_TESTS = Path(__file__).resolve().parents[1]
 
 
 def run_interpreted(script, *args, timeout: int = 600) -> str:
@@ -14,7 +18,13 @@ def run_interpreted(script, *args, timeout: int = 600) -> str:
     with the subprocess's output when it exits non-zero."""
     result = subprocess.run(
         [sys.executable, str(script), *map(str, args)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
+        env={
+            **os.environ,
+            "TRITON_INTERPRET": "1",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(UNIT_TESTS), os.environ.get("PYTHONPATH")])
+            ),
+        },
         capture_output=True,
         text=True,
         timeout=timeout,
