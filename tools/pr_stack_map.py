@@ -315,6 +315,12 @@ RULES = (
     ),
     Rule("tests/unit_tests/ssm/", "tests/unit_tests/ssm/shared_prefix/", 3, "tests"),
     Rule(
+        "tests/unit_tests/triton_interpreter.py",
+        "tests/unit_tests/ssm/shared_prefix/triton_interpreter.py",
+        3,
+        "runs a test file's Triton checks under the interpreter, first used by the Mamba tests",
+    ),
+    Rule(
         "tests/unit_tests/tiny.py",
         _HYBRID_TESTS + "tiny.py",
         3,
@@ -399,6 +405,18 @@ RULES = (
         "megatron/core/tensor_parallel/shared_prefix/cross_entropy.py",
         6,
         "vocab-parallel cross entropy of the loss edges",
+    ),
+    Rule(
+        "megatron/shared_prefix/tensor_parallel/triton_cross_entropy.py",
+        "megatron/core/tensor_parallel/shared_prefix/triton_cross_entropy.py",
+        6,
+        "Triton kernels of the edge loss on CUDA",
+    ),
+    Rule(
+        "tests/unit_tests/tensor_parallel/",
+        "tests/unit_tests/tensor_parallel/shared_prefix/",
+        6,
+        "tests",
     ),
     Rule(
         "megatron/shared_prefix/tensor_parallel/full_tensors.py",

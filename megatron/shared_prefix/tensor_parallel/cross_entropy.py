@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# Rows of [U, V / tp] logits turned into float32 at a time (256 MiB).
+# Rows of [U, V / tp] logits turned into float32 at a time by the PyTorch path (256 MiB).
 FLOAT32_CHUNK_ELEMENTS = 1 << 26
 
 
@@ -29,6 +29,9 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
     worth, and the gradient is written once, in the logits' dtype: into the logits' own storage
     with ``overwrite``, which the output layer's backward no longer needs (megatron-core's
     vocab-parallel cross entropy reuses its input the same way), so no second [U, V] tensor exists.
+    On CUDA the float32 work runs in Triton kernels instead (triton_cross_entropy.py: one program
+    per source row, no float32 copy of the logits at all); the PyTorch path here runs on CPU and is
+    what they are tested against.
 
     Under tensor parallelism (``group`` of size > 1) the forward all-reduces each source's maximum,
     its sum of exponentials and the target logits (held by the rank whose shard has the target);
@@ -46,22 +49,30 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
     ):
         rows = max(1, FLOAT32_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
         chunks = [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
-        log_normalizer = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        fused = _triton_kernels(logits)
         if group is None or group.size() == 1:
-            for chunk in chunks:
-                log_normalizer[chunk] = _log_sum_exp(logits[chunk])
+            if fused is not None:
+                shift = logits.amax(dim=-1).float()
+                log_normalizer = fused.sum_exp(logits, shift).log_().add_(shift)
+            else:
+                log_normalizer = torch.empty(
+                    logits.shape[0], dtype=torch.float32, device=logits.device
+                )
+                for chunk in chunks:
+                    log_normalizer[chunk] = _log_sum_exp(logits[chunk])
             target, owned = edge_target, None
             target_logit = logits[edge_source_slot, target].float()
         else:
             # Shards' maxima are bf16/fp32 values: max commutes exactly with the cast.
-            shift = torch.empty_like(log_normalizer)
-            for chunk in chunks:
-                shift[chunk] = logits[chunk].max(dim=-1).values.float()
+            shift = logits.amax(dim=-1).float()
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-            sum_exp = torch.empty_like(log_normalizer)
-            for chunk in chunks:
-                values = logits[chunk].to(torch.float32, copy=True)  # the only temporary
-                sum_exp[chunk] = values.sub_(shift[chunk, None]).exp_().sum(dim=-1)
+            if fused is not None:
+                sum_exp = fused.sum_exp(logits, shift)
+            else:
+                sum_exp = torch.empty_like(shift)
+                for chunk in chunks:
+                    values = logits[chunk].to(torch.float32, copy=True)  # the only temporary
+                    sum_exp[chunk] = values.sub_(shift[chunk, None]).exp_().sum(dim=-1)
             dist.all_reduce(sum_exp, group=group)
             log_normalizer = sum_exp.log_().add_(shift)
             shard = logits.shape[-1]
@@ -70,7 +81,7 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
             target = local.clamp(0, max(shard - 1, 0))
             target_logit = torch.where(owned, logits[edge_source_slot, target].float(), 0.0)
             dist.all_reduce(target_logit, group=group)
-        ctx.rows = rows
+        ctx.rows, ctx.fused = rows, fused
         ctx.overwrite = overwrite
         ctx.save_for_backward(logits, edge_source_slot, target, owned, log_normalizer)
         return log_normalizer[edge_source_slot] - target_logit
@@ -84,6 +95,11 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
         source_grad = torch.zeros_like(log_normalizer).index_put_((slot,), grad, accumulate=True)
         target_grad = -grad if owned is None else torch.where(owned, -grad, 0.0)
         grad_logits = logits if ctx.overwrite else torch.empty_like(logits)
+        if ctx.fused is not None:
+            ctx.fused.softmax_grad(
+                logits, log_normalizer, source_grad, slot, target, target_grad, out=grad_logits
+            )
+            return grad_logits, None, None, None, None
         for start in range(0, num_sources, ctx.rows):
             stop = min(start + ctx.rows, num_sources)
             # A copy even for float32 logits: the chunk is updated in place.
@@ -98,6 +114,19 @@ class _EdgeCrossEntropy(torch.autograd.Function):  # pylint: disable=abstract-me
             )
             grad_logits[start:stop] = chunk
         return grad_logits, None, None, None, None
+
+
+def _triton_kernels(logits: Tensor):
+    """The Triton kernels' module (triton_cross_entropy.py) for CUDA logits they take, else None
+    (the PyTorch path below: CPU, or no Triton)."""
+    if not logits.is_cuda:
+        return None
+    try:
+        # pylint: disable-next=import-outside-toplevel
+        from megatron.shared_prefix.tensor_parallel import triton_cross_entropy
+    except ImportError:
+        return None
+    return triton_cross_entropy if triton_cross_entropy.supports(logits) else None
 
 
 def _log_sum_exp(logits: Tensor) -> Tensor:

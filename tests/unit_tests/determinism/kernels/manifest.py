@@ -248,7 +248,27 @@ ENTRIES = [
             "gradients of edges that share a source, and of repeated (source, target) pairs, with "
             "index_put_(accumulate=True), the sort-based op autograd's backward of indexing uses; "
             "float32 work in row chunks, the gradient optionally written into the logits. The TP "
-            "path replays inside the tp2_sp parallel case (test_parallel_forests.py)."
+            "path replays inside the tp2_sp parallel case (test_parallel_forests.py). On CUDA the "
+            "sums and the gradient run the Triton kernels of entry edge_cross_entropy_kernels."
+        ),
+    ),
+    KernelEntry(
+        name="edge_cross_entropy_kernels",
+        sources=("megatron/shared_prefix/tensor_parallel/triton_cross_entropy.py",),
+        tests=(
+            f"{_KERNEL_TESTS}/test_edge_cross_entropy_replay.py",
+            "tests/unit_tests/tensor_parallel/test_triton_cross_entropy.py",
+        ),
+        kind="triton",
+        training_path=True,
+        notes=(
+            "The edge loss's float32 sums of exponentials and its gradient on CUDA: one program "
+            "per source row walks the vocabulary in fixed blocks, a block's sum is a tree "
+            "reduction, target terms are added in the order of a stable sort of the edges; every "
+            "gradient element is written by one program; no atomics. A row's values do not "
+            "depend on the other rows (tested bitwise). GPU replay in fp32 and bf16, with and "
+            "without the gradient written into the logits; on CPU the interpreted kernels are "
+            "checked against float64 and the PyTorch path."
         ),
     ),
 ]

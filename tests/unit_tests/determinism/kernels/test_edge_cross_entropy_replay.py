@@ -1,8 +1,10 @@
 """Bitwise replay of the one-rank edge loss (tensor_parallel/cross_entropy.py), forward and
 backward: edges sharing a source and a repeated (source, target) pair accumulate with
-``index_put_(accumulate=True)``; the float32 work runs in several row chunks (the last one
-shorter) or in one, each on one float32 copy updated in place; with ``overwrite_logits`` the
-gradient is written into the logits' storage (the model's path)."""
+``index_put_(accumulate=True)``; with ``overwrite_logits`` the gradient is written into the logits'
+storage (the model's path). On CUDA the loss runs the Triton kernels of triton_cross_entropy.py
+(one program per source row, the row's edges in a stable sort's order); its PyTorch path, which
+CPU logits and logits the kernels do not take run, is replayed on both devices: float32 work in
+several row chunks (the last one shorter) or in one, each on one float32 copy updated in place."""
 
 import pytest
 import torch
@@ -22,13 +24,24 @@ DEVICES = [
     ),
 ]
 
+# (path, float32 rows per chunk of the PyTorch path)
+PATHS = [("torch", 64), ("torch", None), ("kernels", None)]
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new-gradient", "overwrite-logits"])
-@pytest.mark.parametrize("chunk_rows", [64, None], ids=["5-chunks", "one-chunk"])
-def test_edge_cross_entropy_replay(monkeypatch, device, dtype, overwrite, chunk_rows):
+@pytest.mark.parametrize(
+    "path, chunk_rows", PATHS, ids=["torch-5-chunks", "torch-one-chunk", "kernels"]
+)
+def test_edge_cross_entropy_replay(monkeypatch, device, dtype, overwrite, path, chunk_rows):
     sources, vocab = 300, 4096
+    if path == "kernels":
+        if device == "cpu":
+            pytest.skip("Triton kernels run on CUDA logits (interpreted: test_triton_cross_entropy)")
+        assert cross_entropy._triton_kernels(torch.zeros(1, 1, device=device)) is not None
+    else:
+        monkeypatch.setattr(cross_entropy, "_triton_kernels", lambda logits: None)
     if chunk_rows is not None:
         monkeypatch.setattr(cross_entropy, "FLOAT32_CHUNK_ELEMENTS", chunk_rows * vocab)
     generator = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-UNIT_TESTS = Path(__file__).resolve().parents[1]
+UNIT_TESTS = Path(__file__).resolve().parent
 
 
 def run_interpreted(script, *args, timeout: int = 600) -> str:
