@@ -578,8 +578,11 @@ def reject_ep2_allgather_unequal_rows() -> dict:
 def vocab_parallel_edge_loss(tp: int) -> dict:
     """The vocab-parallel edge loss on its own at TP ``tp``: per-edge losses and each rank's
     logits-shard gradient against float64 autograd over the full vocabulary, with and without
-    ``overwrite_logits``, the float32 work in several chunks; edges share sources and one
-    (source, target) pair repeats."""
+    ``overwrite_logits``; edges share sources and one (source, target) pair repeats. Both paths:
+    PyTorch's with the float32 work in several chunks, and the Triton kernels that CUDA logits
+    run (triton_cross_entropy.py), here interpreted (the job runs under TRITON_INTERPRET=1)."""
+    from megatron.shared_prefix.tensor_parallel import triton_cross_entropy
+
     init_parallel(tensor_model_parallel_size=tp)
     group = parallel_state.get_tensor_model_parallel_group()
     rank = group.rank()
@@ -595,32 +598,40 @@ def vocab_parallel_edge_loss(tp: int) -> dict:
     expected = torch.logsumexp(reference, -1)[slot] - reference[slot, target]
     (expected_grad,) = torch.autograd.grad((expected * weights).sum(), reference)
     expected_shard = expected_grad[:, rank * shard : (rank + 1) * shard]
-    chunk_elements = cross_entropy.FLOAT32_CHUNK_ELEMENTS
+    chunk_elements, choose_kernels = (
+        cross_entropy.FLOAT32_CHUNK_ELEMENTS,
+        cross_entropy._triton_kernels,  # pylint: disable=protected-access
+    )
     cross_entropy.FLOAT32_CHUNK_ELEMENTS = 4 * shard
-    errors = {"loss_error": 0.0, "grad_error": 0.0}
-    grads = []
+    errors = {}
+    same = []
     try:
-        for overwrite in (False, True):
-            leaf = full[:, rank * shard : (rank + 1) * shard].float().requires_grad_()
-            logits = leaf * 1  # not a leaf: overwrite_logits writes into it
-            loss = cross_entropy.vocab_parallel_edge_cross_entropy(
-                logits, slot, target, group, overwrite_logits=overwrite
-            )
-            (loss.double() * weights).sum().backward()
-            grads.append(leaf.grad)
-            errors["loss_error"] = max(errors["loss_error"], _rel_error(loss, expected))
-            errors["grad_error"] = max(errors["grad_error"], _rel_error(leaf.grad, expected_shard))
+        for path, kernels in (("torch", None), ("kernels", triton_cross_entropy)):
+            cross_entropy._triton_kernels = lambda logits, k=kernels: k
+            grads = []
+            for overwrite in (False, True):
+                leaf = full[:, rank * shard : (rank + 1) * shard].float().requires_grad_()
+                logits = leaf * 1  # not a leaf: overwrite_logits writes into it
+                loss = cross_entropy.vocab_parallel_edge_cross_entropy(
+                    logits, slot, target, group, overwrite_logits=overwrite
+                )
+                (loss.double() * weights).sum().backward()
+                grads.append(leaf.grad)
+                errors[f"{path}_loss_error"] = max(
+                    errors.get(f"{path}_loss_error", 0.0), _rel_error(loss, expected)
+                )
+                errors[f"{path}_grad_error"] = max(
+                    errors.get(f"{path}_grad_error", 0.0), _rel_error(leaf.grad, expected_shard)
+                )
+            same.append(float(torch.equal(*grads)))
     finally:
         cross_entropy.FLOAT32_CHUNK_ELEMENTS = chunk_elements
-    worst = torch.tensor([errors["loss_error"], errors["grad_error"]], dtype=torch.float64)
+        cross_entropy._triton_kernels = choose_kernels
+    worst = torch.tensor(list(errors.values()), dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    same = torch.tensor(float(torch.equal(*grads)))
+    same = torch.tensor(min(same))
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return {
-        "loss_error": float(worst[0]),
-        "grad_error": float(worst[1]),
-        "overwrite_bitwise": bool(same),
-    }
+    return {**dict(zip(errors, map(float, worst))), "overwrite_bitwise": bool(same)}
 
 
 def _rel_error(actual, expected):

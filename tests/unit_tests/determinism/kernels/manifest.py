@@ -268,7 +268,8 @@ ENTRIES = [
             "gradient element is written by one program; no atomics. A row's values do not "
             "depend on the other rows (tested bitwise). GPU replay in fp32 and bf16, with and "
             "without the gradient written into the logits; on CPU the interpreted kernels are "
-            "checked against float64 and the PyTorch path."
+            "checked against float64 and the PyTorch path, and under TP 2 and 4 in the gloo jobs "
+            "(vocab_parallel_edge_loss, test_parallel_forests.py)."
         ),
     ),
 ]
