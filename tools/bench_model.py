@@ -706,6 +706,7 @@ def first_step_child(pattern, args):
     ``--first-step-precompile`` of the attention kernels, the first step, and the first steps at
     new row lengths (as extra seconds over the same step repeated)."""
     from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
+    from megatron.shared_prefix.models.hybrid.hybrid_model import precompile_edge_loss
     from megatron.shared_prefix.ssm.mamba_mixer import precompile_tree_mamba
     from megatron.shared_prefix.training.distributed import init_single_process
 
@@ -731,6 +732,7 @@ def first_step_child(pattern, args):
             device="cuda",
             multiple=PAD_MULTIPLE,
         )
+        precompile_edge_loss(model, dtype=model.config.params_dtype, device="cuda")
         torch.cuda.synchronize()
     times["precompiled_s"] = time.perf_counter() - _PROCESS_START
     sequences, masks = batches()["GRPO star P=4096, C=1024, G=16"]
@@ -911,8 +913,8 @@ def markdown(tables, first, command, args):
             "Inductor and Triton caches, warm: the caches of the cold run of the same mode; "
             "imports_s: the imports of torch, megatron-core, mamba_ssm and this project, before "
             "any of its work; precompile: `--shared-prefix-precompile` of the tree attention "
-            "(done by attention_precompiled_s) and Mamba kernels (then done by precompiled_s) "
-            f"for rows up to {args.capacity} tokens, multiples of {PAD_MULTIPLE} as every row "
+            "(done by attention_precompiled_s), Mamba and edge-loss kernels (then done by "
+            f"precompiled_s) for rows up to {args.capacity} tokens, multiples of {PAD_MULTIPLE} as every row "
             "of the benchmark (as under the flag, where rows are multiples of 16: one Mamba "
             "warm-up row per chunk count); new lengths: extra "
             "seconds of the first step at row lengths not seen before, over the same step "

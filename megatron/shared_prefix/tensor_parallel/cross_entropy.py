@@ -165,6 +165,19 @@ def edge_cross_entropy(
     )
 
 
+def warm_up(vocab_shard: int, *, dtype: torch.dtype, device) -> None:
+    """Run the one-rank edge loss forward and backward on two random sources of ``vocab_shard``
+    logits, so that the kernels a run's loss needs are compiled before its first step (on CUDA the
+    two Triton kernels, which are specialized on the dtype and the width's alignment only, so any
+    row and any tensor-parallel rank of that width then compiles nothing)."""
+    generator = torch.Generator(device=device).manual_seed(vocab_shard)
+    leaf = torch.randn(2, vocab_shard, generator=generator, device=device, dtype=dtype)
+    logits = leaf.requires_grad_() * 1  # not a leaf, as the output layer's logits
+    edges = torch.arange(2, device=device)
+    loss = edge_cross_entropy(logits, edges, edges, overwrite_logits=True)
+    torch.autograd.grad(loss.sum(), leaf)
+
+
 def vocab_parallel_edge_cross_entropy(
     source_logits: Tensor,
     edge_source_slot: Tensor,

@@ -169,15 +169,17 @@ def add_shared_prefix_args(
         "--shared-prefix-precompile",
         choices=("off", "dynamic", "buckets"),
         default="off",
-        help="Compile the tree attention (FlexAttention) kernels and the Mamba layers' Triton "
-        "kernels before the first step, so that no row length compiles during training: "
-        "dynamic: one dynamic-shape attention kernel that every row runs (one compile); "
-        "buckets: also a static attention kernel, up to about 2% faster, for each of the about "
-        "four bucket lengths per octave up to the row capacity (one compile each; kept in the "
-        "Inductor and Triton caches for later runs); the Mamba kernels are compiled for every "
+        help="Compile the tree attention (FlexAttention) kernels, the Mamba layers' Triton "
+        "kernels and the edge loss's before the first step, so that no row length compiles "
+        "during training: dynamic: one dynamic-shape attention kernel that every row runs "
+        "(one compile); buckets: also a static attention kernel, up to about 2% faster, for "
+        "each of the about four bucket lengths per octave up to the row capacity (one compile "
+        "each; kept in the Inductor and Triton caches for later runs); the Mamba kernels are "
+        "compiled for every "
         "class of row length either way, and rows are padded to a multiple of 16 tokens where "
-        "the capacity is one (fewer classes: one Mamba warm-up row per chunk count); off "
-        "(default): kernels compile when a row first needs them.",
+        "the capacity is one (fewer classes: one Mamba warm-up row per chunk count), and the "
+        "edge loss's kernels at the output layer's width; off (default): kernels compile when "
+        "a row first needs them.",
     )
     group.add_argument(
         "--shared-prefix-attention-backend",

@@ -122,13 +122,15 @@ def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log
     """``--shared-prefix-precompile``: compile, before the first step, the model's tree attention
     kernels (``precompile_tree_attention``) and its Mamba layers' Triton kernels
     (``precompile_tree_mamba``) for rows up to the row capacity, of the rows' pad multiple (the
-    parallel one when MTP depths have Mamba layers), and log what each took.
+    parallel one when MTP depths have Mamba layers), and the edge loss's kernels
+    (``precompile_edge_loss``), and log what each took.
 
     Args:
         config: the run's RunConfig (its ``precompile`` mode and row capacity).
         log: where the one-line reports go.
     """
     from megatron.shared_prefix.attention.dot_product_attention import precompile_tree_attention
+    from megatron.shared_prefix.models.hybrid.hybrid_model import precompile_edge_loss
     from megatron.shared_prefix.models.hybrid.validation import row_length_multiple
     from megatron.shared_prefix.ssm.mamba_mixer import TreeMambaMixer, precompile_tree_mamba
 
@@ -158,6 +160,12 @@ def precompile_kernels(model: torch.nn.Module, config, device: torch.device, log
     log(
         f"[shared-prefix] precompiled tree Mamba: rows of {len(lengths)} lengths "
         f"{list(lengths)}, in {time.perf_counter() - start:.1f} s"
+    )
+    start = time.perf_counter()
+    widths = precompile_edge_loss(model, dtype=model.config.params_dtype, device=device)
+    log(
+        f"[shared-prefix] precompiled the edge loss: vocabulary widths {list(widths)}, in "
+        f"{time.perf_counter() - start:.1f} s"
     )
 
 

@@ -453,19 +453,26 @@ def test_attention_backend_flag_reaches_every_attention_layer(megatron_world):
         assert layers and {layer.tree_backend for layer in layers} == {backend}
 
 
-def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkeypatch):
-    """--shared-prefix-precompile: both warm-ups for rows up to the capacity, the Mamba one for
-    rows of the batch's pad multiple (with Mamba layers in MTP depths, of the depths' rows'
-    multiple), one log line each; off compiles nothing."""
+def test_precompile_kernels_compiles_attention_mamba_and_loss_and_reports_each(monkeypatch):
+    """--shared-prefix-precompile: attention and Mamba warm-ups for rows up to the capacity, the
+    Mamba one for rows of the batch's pad multiple (with Mamba layers in MTP depths, of the
+    depths' rows' multiple), then the edge loss's in the parameters' dtype, one log line each;
+    off compiles nothing."""
     from types import SimpleNamespace
 
     import torch
 
     from megatron.shared_prefix.attention import dot_product_attention
+    from megatron.shared_prefix.models.hybrid import hybrid_model
     from megatron.shared_prefix.ssm import mamba_mixer
     from megatron.shared_prefix.training.model import precompile_kernels
 
     calls = []
+    monkeypatch.setattr(
+        hybrid_model,
+        "precompile_edge_loss",
+        lambda model, **kw: calls.append(("loss", kw["dtype"])) or (32768,),
+    )
     monkeypatch.setattr(
         dot_product_attention,
         "precompile_tree_attention",
@@ -498,9 +505,14 @@ def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkey
     )
     lines = []
     precompile_kernels(model, config, "cuda", lines.append)
-    assert calls == [("attention", 4096, "dynamic"), ("mamba", 4096, torch.bfloat16, 16)]
+    assert calls == [
+        ("attention", 4096, "dynamic"),
+        ("mamba", 4096, torch.bfloat16, 16),
+        ("loss", torch.bfloat16),
+    ]
     assert "precompiled tree attention (dynamic): kernels for 1 row lengths" in lines[0]
     assert "precompiled tree Mamba: rows of 2 lengths [128, 127]" in lines[1]
+    assert "precompiled the edge loss: vocabulary widths [32768]" in lines[2]
     calls.clear()
     model.mtp = torch.nn.Module()
     model.mtp.mixer = mixer()
@@ -508,4 +520,4 @@ def test_precompile_kernels_compiles_attention_and_mamba_and_reports_both(monkey
     assert calls[1] == ("mamba", 4096, torch.bfloat16, 2)
     calls.clear()
     precompile_kernels(model, SimpleNamespace(precompile="off"), "cuda", lines.append)
-    assert calls == [] and len(lines) == 4
+    assert calls == [] and len(lines) == 6

@@ -40,6 +40,7 @@ from megatron.shared_prefix.tensor_parallel.context_parallel import (
     share_over_context_parallel,
     whole_row,
 )
+from megatron.shared_prefix.tensor_parallel import cross_entropy
 from megatron.shared_prefix.tensor_parallel.cross_entropy import (
     vocab_parallel_edge_cross_entropy,
     vocab_parallel_edge_prediction_matches,
@@ -452,6 +453,30 @@ def _attach_mtp_loss(
                 avg_group=parallel_state.get_data_parallel_group(),
             )
     return edge_loss
+
+
+def precompile_edge_loss(
+    model: torch.nn.Module, *, dtype: torch.dtype, device
+) -> tuple[int, ...]:
+    """Compile, before training, the edge loss's kernels for the output layers of ``model``
+    (this pipeline stage's; none without one): one ``cross_entropy.warm_up`` per distinct local
+    vocabulary width, in the logits' ``dtype``.
+
+    Returns:
+        The vocabulary widths run (empty on a stage without an output layer).
+    """
+    widths = {}
+    for module in model.modules():
+        if isinstance(module, SharedPrefixHybridModel) and module.post_process:
+            weight = (
+                module.shared_embedding_or_output_weight()
+                if module.share_embeddings_and_output_weights
+                else module.output_layer.weight
+            )
+            widths[weight.shape[0]] = None
+    for width in widths:
+        cross_entropy.warm_up(width, dtype=dtype, device=device)
+    return tuple(widths)
 
 
 class SharedPrefixHybridModel(HybridModel):

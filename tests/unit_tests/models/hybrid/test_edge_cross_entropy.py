@@ -140,3 +140,25 @@ def test_model_backward_allocates_no_logits_sized_tensor(monkeypatch, build_mode
     _, peak = _peak_bytes(lambda: loss.sum().backward())
     assert model.output_layer.weight.grad.abs().sum() > 0
     assert peak < logits_bytes / 2, (peak, logits_bytes)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["output-layer", "tied-embeddings"])
+def test_precompile_edge_loss_runs_each_output_width_once_and_writes_no_gradient(
+    monkeypatch, build_model, tied
+):
+    """``--shared-prefix-precompile``'s loss warm-up: one ``warm_up`` at the output layer's local
+    vocabulary width (the embedding's when tied), in the given dtype; no parameter gradient."""
+    from megatron.shared_prefix.models.hybrid.hybrid_model import precompile_edge_loss
+
+    model = build_model("*-", vocab_size=96, tied=tied)
+    runs = []
+    warm_up = cross_entropy.warm_up
+    monkeypatch.setattr(
+        cross_entropy,
+        "warm_up",
+        lambda width, **kw: runs.append((width, kw["dtype"])) or warm_up(width, **kw),
+    )
+    assert precompile_edge_loss(model, dtype=torch.float32, device="cpu") == (96,)
+    assert runs == [(96, torch.float32)]
+    assert all(parameter.grad is None for parameter in model.parameters())
+    assert precompile_edge_loss(torch.nn.Linear(2, 2), dtype=torch.float32, device="cpu") == ()
