@@ -36,11 +36,11 @@ from megatron.shared_prefix.models.hybrid.validation import (
     validate_forest_forward,
 )
 from megatron.shared_prefix.mtp_layout import mtp_forests
+from megatron.shared_prefix.tensor_parallel import cross_entropy
 from megatron.shared_prefix.tensor_parallel.context_parallel import (
     share_over_context_parallel,
     whole_row,
 )
-from megatron.shared_prefix.tensor_parallel import cross_entropy
 from megatron.shared_prefix.tensor_parallel.cross_entropy import (
     vocab_parallel_edge_cross_entropy,
     vocab_parallel_edge_prediction_matches,
