@@ -465,15 +465,11 @@ def precompile_edge_loss(
     Returns:
         The vocabulary widths run (empty on a stage without an output layer).
     """
-    widths = {}
-    for module in model.modules():
-        if isinstance(module, SharedPrefixHybridModel) and module.post_process:
-            weight = (
-                module.shared_embedding_or_output_weight()
-                if module.share_embeddings_and_output_weights
-                else module.output_layer.weight
-            )
-            widths[weight.shape[0]] = None
+    widths = {
+        module.output_layer.output_size_per_partition: None
+        for module in model.modules()
+        if isinstance(module, SharedPrefixHybridModel) and module.post_process
+    }
     for width in widths:
         cross_entropy.warm_up(width, dtype=dtype, device=device)
     return tuple(widths)
