@@ -3,11 +3,11 @@ it leaves no trace in the parameters, and on CUDA that rows of new lengths and s
 Triton kernel. The model-level ``precompile_tree_mamba`` is tested with the model
 (tests/unit_tests/models/hybrid/test_mamba_forest.py)."""
 
-import contextlib
 
 import numpy as np
 import pytest
 import torch
+from triton_interpreter import triton_compiles
 
 from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.ssm.mamba_mixer import (
@@ -88,27 +88,6 @@ def test_warm_up_runs_the_forest_path_between_the_projections(megatron_world, rm
     handle.remove()
     assert len(calls) == (1 if rmsnorm else 0)
     assert all(p.grad is None for p in mixer.parameters())
-
-
-@contextlib.contextmanager
-def triton_compiles():
-    """Names of the Triton JIT kernels (``@triton.jit``) compiled inside the block: each new
-    variant of a kernel, in-memory cache misses (Inductor's kernels do not go through it)."""
-    import triton
-
-    compiled = []
-
-    def hook(*, fn, **_):
-        compiled.append(fn.name)
-        return False  # compile and launch as usual
-
-    runtime = triton.knobs.runtime
-    previous = runtime.jit_cache_hook
-    runtime.jit_cache_hook = hook
-    try:
-        yield compiled
-    finally:
-        runtime.jit_cache_hook = previous
 
 
 def build_mixer(*, chunk_size, hidden_size, heads, state, dtype, device="cpu"):

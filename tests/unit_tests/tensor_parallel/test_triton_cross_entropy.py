@@ -11,6 +11,9 @@ that runs them on CUDA (tensor_parallel/cross_entropy.py).
 * A source's loss and gradient do not depend on the other rows of the batch (tree and packed
   dense rows hold a source among different rows): bitwise equal on a permuted subset.
 * ``edge_cross_entropy`` with the kernels against its PyTorch path.
+* After ``cross_entropy.warm_up`` (what ``--shared-prefix-precompile`` runs per output width), the
+  loss at other source and edge counts, and at other widths of the same alignment, compiles no
+  kernel (GPU).
 * CPU: Triton's interpreter (TRITON_INTERPRET=1 must be set before triton compiles anything, hence
   a subprocess running this file), float32. GPU (marked ``gpu``): compiled kernels, float32 and
   bf16, through ``edge_cross_entropy``'s own dispatch.
@@ -18,7 +21,7 @@ that runs them on CUDA (tensor_parallel/cross_entropy.py).
 
 import pytest
 import torch
-from triton_interpreter import run_interpreted
+from triton_interpreter import run_interpreted, triton_compiles
 
 from megatron.shared_prefix.tensor_parallel import cross_entropy
 
@@ -214,6 +217,25 @@ def test_compiled_kernels_match_float64_and_the_torch_path(dtype, tolerance):
     errors = dispatch_errors("cuda", dtype, cross_entropy._triton_kernels)
     assert errors[0] <= 1e-5 and errors[1] <= tolerance, errors
     assert batch_independent("cuda", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_warm_up_compiles_what_later_losses_need():
+    """``warm_up`` compiles both kernels (float16: a dtype no other test of this file runs), and
+    then losses of other source counts, and of other widths that are multiples of 16, as the
+    output layer's local widths are, compile nothing."""
+    dtype, vocab = torch.float16, 4096
+    with triton_compiles() as warm_up_compiled:
+        cross_entropy.warm_up(vocab, dtype=dtype, device="cuda")
+    assert {"_sum_exp_kernel", "_softmax_grad_kernel"} <= set(warm_up_compiled), warm_up_compiled
+    with triton_compiles() as compiled:
+        for sources, width in ((3, vocab), (37, vocab), (1000, 2 * vocab + 16)):
+            leaf = torch.randn(sources, width, device="cuda", dtype=dtype).requires_grad_()
+            slot, target, weights = _edges(sources, width, "cuda")
+            loss = cross_entropy.edge_cross_entropy(leaf * 1, slot, target, overwrite_logits=True)
+            torch.autograd.grad((loss * weights).sum(), leaf)
+    assert compiled == [], compiled
 
 
 if __name__ == "__main__":  # run by test_interpreted_kernels_match_float64_and_the_torch_path
