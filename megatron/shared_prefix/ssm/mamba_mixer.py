@@ -50,7 +50,8 @@ class TreeMambaMixer(MambaMixer):
         tree_scan_backend: packed-scan backend of the tree scan: "auto" (mamba_ssm's Triton kernel
             for CUDA tensors when it imports, torch otherwise), "torch" or "triton".
         tree_conv_backend: row conv of the tree conv: "auto" (our Triton conv with a backward for
-            CUDA tensors, PyTorch's conv otherwise), "torch" or "triton" (tree_conv.py).
+            CUDA tensors and convs of up to 4 taps, PyTorch's conv otherwise), "torch" or "triton"
+            (tree_conv.py).
         Everything else is MambaMixer's.
     """
 

@@ -14,7 +14,8 @@ Implementation (memory O(T * channels)):
    ``groups = channels``, then the activation, as megatron-core's non-fused path does; "triton"
    runs triton_causal_conv.py (forward and backward, activation fused, no channels-first copies);
    "auto" takes Triton for CUDA tensors (unless a row is too long for its int32 offsets: over
-   about 2^31 / d_proj tokens) and torch otherwise;
+   about 2^31 / d_proj tokens, or the conv wider than its ``MAX_WIDTH`` of 8 taps) and torch
+   otherwise;
 2. a fix-up of those few tokens: their windows are gathered along the root path
    (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv and the activation are
    recomputed for them, and written into the row conv's output (``index_put_`` without
@@ -62,18 +63,27 @@ def prepare_tree_conv(forest: ForestTensors, width: int) -> None:
     _fixup_windows(forest, width)
 
 
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    """Whether ``backend`` runs the row conv of x [1, T, d] on the Triton kernel: "auto" does for
-    CUDA tensors of the kernel's dtypes whose offsets fit its int32 arithmetic."""
+def _use_triton(x: torch.Tensor, width: int, backend: str) -> bool:
+    """Whether ``backend`` runs the row conv of x [1, T, d] with ``width`` taps on the Triton
+    kernel: "auto" does for CUDA tensors of the kernel's dtypes whose offsets fit its int32
+    arithmetic, up to its widest conv."""
     if backend != "auto":
         return backend == "triton"
     if not x.is_cuda:
         return False
     # pylint: disable-next=import-outside-toplevel
-    from megatron.shared_prefix.ssm.triton_causal_conv import SUPPORTED_DTYPES, offsets_fit
+    from megatron.shared_prefix.ssm.triton_causal_conv import (
+        MAX_WIDTH,
+        SUPPORTED_DTYPES,
+        offsets_fit,
+    )
 
     token_stride = x.stride(1) if x.stride(2) == 1 else x.shape[2]  # else a contiguous copy runs
-    return x.dtype in SUPPORTED_DTYPES and offsets_fit(x.shape[1], token_stride, x.shape[2])
+    return (
+        x.dtype in SUPPORTED_DTYPES
+        and width <= MAX_WIDTH
+        and offsets_fit(x.shape[1], token_stride, x.shape[2])
+    )
 
 
 def tree_causal_conv1d(
@@ -119,7 +129,7 @@ def tree_causal_conv1d(
     width, length = weight.shape[1], x.shape[1]
 
     # 1. The ordinary causal conv of the packed row: right wherever the window stays in-segment.
-    if _use_triton(x, backend):
+    if _use_triton(x, width, backend):
         # pylint: disable-next=import-outside-toplevel
         from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
 

@@ -14,14 +14,21 @@ forward-only (its inference paths), so training cannot use them.
 
 Here the forward reads the strided input once and writes the activated output; nothing of the
 output's size is kept for backward (only the input, a view of the projection that the gate's view
-keeps alive anyway). The backward recomputes the pre-activation of the ``w`` tokens that each
-gradient element needs (``w`` loads per token, cached) and writes:
+keeps alive anyway). In the backward each program walks ``BACKWARD_TOKENS`` consecutive tokens
+of ``BACKWARD_BLOCK_C`` channels one token at a time, holding the inputs and the gradients
+``g' = g * act'(pre)`` of the last ``w`` tokens in registers (hence ``w <= MAX_WIDTH``). At token
+t it loads x[t] and g[t] once, recomputes the pre-activation from the window in registers, and
+writes:
 
-* ``dx[t] = sum_k weight[:, k] * g'[t + (w-1) - k]`` with ``g' = g * act'(pre)``, one program per
-  element, zero past the row's end;
-* per program, partial sums over its tokens of ``g'[t] * x[t - (w-1) + k]`` (weight) and ``g'[t]``
-  (bias), added over programs in index order by ``torch.sum`` afterwards: no atomics, so results
+* ``dx[t - (w-1)] = sum_k weight[:, k] * g'[t - k]``, the last output whose window ends by t (the
+  program walks ``w - 1`` tokens past its own for their g' only), zero past the row's end;
+* at its end, partial sums over its own tokens of ``g'[t] * x[t - (w-1) + k]`` (weight) and
+  ``g'[t]`` (bias), added over programs in index order by ``torch.sum``: no atomics, so results
   are bitwise reproducible.
+
+An earlier backward, on tiles of tokens, recomputed g' for each of the ``w`` outputs that read a
+token and summed the weight gradients across every tile; it ran 5.7 times longer on an H100
+(docs/benchmarks.md).
 
 Everything is computed in float32 and rounded once. Shapes: T tokens, C channels, w taps.
 """
@@ -31,9 +38,12 @@ import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_T = 32  # tokens per tile
-BLOCK_C = 128  # channels per tile
-TILES_PER_PROGRAM = 8  # token tiles one backward program walks (fewer weight partial sums)
+BLOCK_T = 32  # tokens per forward tile
+BLOCK_C = 128  # channels per forward tile
+BACKWARD_TOKENS = 128  # tokens one backward program walks
+BACKWARD_BLOCK_C = 128  # channels of a backward program
+BACKWARD_WARPS = 1  # a program is one warp: 4 channels per thread
+MAX_WIDTH = 4  # taps (Mamba's conv has 4): the backward holds the last four tokens in registers
 MAX_OFFSET = 2**31 - 1  # the kernels compute element offsets in int32
 
 
@@ -107,37 +117,20 @@ def _conv_forward_kernel(
 
 
 @triton.jit
-def _pre_activation_grad(
-    x_ptr,
-    grad_ptr,
-    weight_ptr,
-    bias_ptr,
-    rows,
-    cols,
-    col_mask,
-    num_tokens,
-    stride_x,
-    stride_grad,
-    WIDTH: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """[BLOCK_T, BLOCK_C] float32 gradient of the pre-activation at ``rows`` (0 outside the row)."""
-    inside = (rows >= 0) & (rows < num_tokens)
-    mask = inside[:, None] & col_mask[None, :]
-    grad = tl.load(
-        grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0
-    ).to(tl.float32)
-    if SILU:
-        pre = _pre_activation(
-            x_ptr, weight_ptr, bias_ptr, rows, cols, col_mask, num_tokens, stride_x,
-            WIDTH, HAS_BIAS, BLOCK_T, BLOCK_C,
-        )  # fmt: skip
-        sigmoid = tl.sigmoid(pre)
-        grad = grad * sigmoid * (1.0 + pre * (1.0 - sigmoid))
-    return grad
+def _load_row(ptr, row, cols, col_mask, num_tokens, stride):
+    """[BLOCK_C] float32 ``ptr[row, cols]``, zero outside the row's tokens."""
+    inside = (row >= 0) & (row < num_tokens)
+    return tl.load(ptr + row * stride + cols, mask=col_mask & inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tap(weight_ptr, cols, col_mask, WIDTH: tl.constexpr, back: tl.constexpr):
+    """[BLOCK_C] float32 weight of the tap that reads the token ``back`` steps before the output
+    (tap ``WIDTH - 1 - back``); zero for taps the conv does not have."""
+    if back < WIDTH:
+        tap = tl.load(weight_ptr + cols * WIDTH + (WIDTH - 1 - back), mask=col_mask, other=0.0)
+        return tap.to(tl.float32)
+    return tl.zeros(cols.shape, dtype=tl.float32)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -155,51 +148,90 @@ def _conv_backward_kernel(
     WIDTH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    TOKENS: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    TILES: tl.constexpr,
-    TAPS: tl.constexpr,
 ):
-    program = tl.program_id(0)
+    """One program: BLOCK_C channels of TOKENS consecutive tokens, walked one token at a time
+    with the last four inputs and pre-activation gradients held in registers (WIDTH <= 4; the
+    taps a narrower conv lacks are zero and never added)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < channels
-    taps = tl.arange(0, TAPS)  # WIDTH rounded up to a power of two
-    weight_sums = tl.zeros((BLOCK_C, TAPS), dtype=tl.float32)
-    bias_sums = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for tile in range(TILES):
-        rows = (program * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
-        # g' at the tile's own tokens (tap w-1 reads x[t] for output t), then the w-1 outputs
-        # after each token, whose taps k < w-1 read it.
-        own_grad = _pre_activation_grad(
-            x_ptr, grad_ptr, weight_ptr, bias_ptr, rows, cols, col_mask,
-            num_tokens, stride_x, stride_grad, WIDTH, HAS_BIAS, SILU, BLOCK_T, BLOCK_C,
-        )  # fmt: skip
-        last_tap = tl.load(weight_ptr + cols * WIDTH + (WIDTH - 1), mask=col_mask, other=0.0)
-        dx = own_grad * last_tap.to(tl.float32)[None, :]
-        for k in tl.static_range(WIDTH - 1):
-            grad = _pre_activation_grad(
-                x_ptr, grad_ptr, weight_ptr, bias_ptr, rows + (WIDTH - 1) - k, cols, col_mask,
-                num_tokens, stride_x, stride_grad, WIDTH, HAS_BIAS, SILU, BLOCK_T, BLOCK_C,
-            )  # fmt: skip
-            tap = tl.load(weight_ptr + cols * WIDTH + k, mask=col_mask, other=0.0).to(tl.float32)
-            dx += grad * tap[None, :]
-        dx_mask = (rows < num_tokens)[:, None] & col_mask[None, :]
+    start = tl.program_id(0) * TOKENS
+    w_back0 = _tap(weight_ptr, cols, col_mask, WIDTH, 0)  # multiplies the output's own token
+    w_back1 = _tap(weight_ptr, cols, col_mask, WIDTH, 1)
+    w_back2 = _tap(weight_ptr, cols, col_mask, WIDTH, 2)
+    w_back3 = _tap(weight_ptr, cols, col_mask, WIDTH, 3)
+    bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    # Inputs 1, 2, 3 tokens before the current one, and g' there (g' before ``start`` is only
+    # read for dx of tokens before ``start``, which another program writes).
+    x_back1 = _load_row(x_ptr, start - 1, cols, col_mask, num_tokens, stride_x)
+    x_back2 = _load_row(x_ptr, start - 2, cols, col_mask, num_tokens, stride_x)
+    x_back3 = _load_row(x_ptr, start - 3, cols, col_mask, num_tokens, stride_x)
+    g_back1 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_back2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    g_back3 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    sum_back0 = tl.zeros((BLOCK_C,), dtype=tl.float32)  # sum of g'[t] * x[t]
+    sum_back1 = tl.zeros((BLOCK_C,), dtype=tl.float32)  # sum of g'[t] * x[t - 1]
+    sum_back2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    sum_back3 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    bias_sum = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    x_next = _load_row(x_ptr, start, cols, col_mask, num_tokens, stride_x)
+    grad_next = _load_row(grad_ptr, start, cols, col_mask, num_tokens, stride_grad)
+    # Token t = start + i: g'[t] from its window, then dx[t - (WIDTH - 1)], whose last term is
+    # g'[t]. The WIDTH - 1 tokens after the program's own are walked for their g' only.
+    for i in range(TOKENS + WIDTH - 1):
+        token = start + i
+        x_now, grad = x_next, grad_next
+        x_next = _load_row(x_ptr, token + 1, cols, col_mask, num_tokens, stride_x)
+        grad_next = _load_row(grad_ptr, token + 1, cols, col_mask, num_tokens, stride_grad)
+        if SILU:
+            # The forward's order: the bias, then the taps from the oldest token on.
+            pre = bias
+            if WIDTH > 3:
+                pre += w_back3 * x_back3
+            if WIDTH > 2:
+                pre += w_back2 * x_back2
+            if WIDTH > 1:
+                pre += w_back1 * x_back1
+            pre += w_back0 * x_now
+            sigmoid = tl.sigmoid(pre)
+            grad = grad * sigmoid * (1.0 + pre * (1.0 - sigmoid))
+        own_grad = tl.where(i < TOKENS, grad, 0.0)
+        bias_sum += own_grad
+        sum_back0 += own_grad * x_now
+        sum_back1 += own_grad * x_back1
+        sum_back2 += own_grad * x_back2
+        sum_back3 += own_grad * x_back3
+        # dx[t - (WIDTH-1)] = sum_k weight[:, k] * g'[t - k]
+        if WIDTH == 4:
+            dx = w_back0 * g_back3 + w_back1 * g_back2 + w_back2 * g_back1 + w_back3 * grad
+        elif WIDTH == 3:
+            dx = w_back0 * g_back2 + w_back1 * g_back1 + w_back2 * grad
+        elif WIDTH == 2:
+            dx = w_back0 * g_back1 + w_back1 * grad
+        else:
+            dx = w_back0 * grad
+        out_row = token - (WIDTH - 1)
         tl.store(
-            dx_ptr + rows[:, None] * channels + cols[None, :],
+            dx_ptr + out_row * channels + cols,
             dx.to(dx_ptr.dtype.element_ty),
-            mask=dx_mask,
+            mask=col_mask & (out_row >= start) & (out_row < num_tokens),
         )
-        bias_sums += tl.sum(own_grad, axis=0)
-        for k in tl.static_range(WIDTH):
-            x = _load_tap_input(x_ptr, rows, cols, col_mask, num_tokens, stride_x, WIDTH, k)
-            tap_sum = tl.sum(own_grad * x, axis=0)  # [BLOCK_C]
-            weight_sums += tl.where(taps[None, :] == k, tap_sum[:, None], 0.0)
-    # partial[program, c, k] for k < WIDTH (weight), partial[program, c, WIDTH] (bias)
-    base = partial_ptr + program * channels * (WIDTH + 1) + cols * (WIDTH + 1)
-    tl.store(
-        base[:, None] + taps[None, :], weight_sums, mask=col_mask[:, None] & (taps < WIDTH)[None, :]
-    )
-    tl.store(base + WIDTH, bias_sums, mask=col_mask)
+        x_back3, x_back2, x_back1 = x_back2, x_back1, x_now
+        g_back3, g_back2, g_back1 = g_back2, g_back1, grad
+    # partial[program, c, k] for k < WIDTH (weight: tap k reads the token WIDTH-1-k back),
+    # partial[program, c, WIDTH] (bias)
+    base = partial_ptr + tl.program_id(0) * channels * (WIDTH + 1) + cols * (WIDTH + 1)
+    tl.store(base + (WIDTH - 1), sum_back0, mask=col_mask)
+    if WIDTH > 1:
+        tl.store(base + (WIDTH - 2), sum_back1, mask=col_mask)
+    if WIDTH > 2:
+        tl.store(base + (WIDTH - 3), sum_back2, mask=col_mask)
+    if WIDTH > 3:
+        tl.store(base + (WIDTH - 4), sum_back3, mask=col_mask)
+    tl.store(base + WIDTH, bias_sum, mask=col_mask)
 
 
 def offsets_fit(num_tokens: int, token_stride: int, channels: int) -> bool:
@@ -221,8 +253,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> None:
         )
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x dtype must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
-    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
-        raise ValueError(f"weight must be [C={x.shape[1]}, w], got {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[0] != x.shape[1] or not 1 <= weight.shape[1] <= MAX_WIDTH:
+        raise ValueError(
+            f"weight must be [C={x.shape[1]}, w] with 1 <= w <= {MAX_WIDTH}, got "
+            f"{tuple(weight.shape)}; run the tree conv with backend='torch' for wider convs"
+        )
     if bias is not None and tuple(bias.shape) != (x.shape[1],):
         raise ValueError(f"bias must be [C={x.shape[1]}], got {tuple(bias.shape)}")
 
@@ -257,16 +292,15 @@ class RowCausalConv(torch.autograd.Function):
             grad = grad.contiguous()
         num_tokens, channels = x.shape
         width = weight.shape[1]
-        programs = triton.cdiv(num_tokens, BLOCK_T * TILES_PER_PROGRAM)
+        programs = triton.cdiv(num_tokens, BACKWARD_TOKENS)
         dx = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
         # Every element is written by its program (masked channels are never read).
         partial = torch.empty(programs, channels, width + 1, dtype=torch.float32, device=x.device)
-        grid = (programs, triton.cdiv(channels, BLOCK_C))
+        grid = (programs, triton.cdiv(channels, BACKWARD_BLOCK_C))
         _conv_backward_kernel[grid](
             x, grad, weight, bias, dx, partial, num_tokens, channels, x.stride(0), grad.stride(0),
             WIDTH=width, HAS_BIAS=bias is not None, SILU=ctx.silu,
-            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, TILES=TILES_PER_PROGRAM,
-            TAPS=triton.next_power_of_2(width),
+            TOKENS=BACKWARD_TOKENS, BLOCK_C=BACKWARD_BLOCK_C, num_warps=BACKWARD_WARPS,
         )  # fmt: skip
         sums = partial.sum(0)  # [C, w + 1], float32, the programs in index order
         dweight = sums[:, :width].to(weight.dtype)

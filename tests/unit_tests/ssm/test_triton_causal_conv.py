@@ -2,8 +2,8 @@
 
 * Row conv against a float64 ``F.conv1d`` (left zero padding, ``groups = channels``) and SiLU on
   the same inputs: output and the gradients of x, weight and bias, on strided token-major inputs
-  (a slice of a wider tensor, as Mamba's xBC is of the projection), widths 2-5 (5: taps padded to a
-  power of two), with and without bias and SiLU, row lengths that are not multiples of the blocks.
+  (a slice of a wider tensor, as Mamba's xBC is of the projection), widths 1-4, with and without
+  bias and SiLU, row lengths that are not multiples of the backward's token ranges.
 * Tree conv with ``backend="triton"`` against the sequential oracle
   (``reference.tree_causal_conv1d_sequential``) on a forest whose windows cross segment boundaries.
 * A TreeMambaMixer with ``tree_conv_backend="triton"`` against the same mixer on "torch": output
@@ -22,17 +22,19 @@ from triton_interpreter import run_interpreted
 from megatron.shared_prefix.planning import plan_shared_prefix
 from megatron.shared_prefix.ssm import reference
 from megatron.shared_prefix.ssm.tree_conv import tree_causal_conv1d
-from megatron.shared_prefix.ssm.triton_causal_conv import BLOCK_T, TILES_PER_PROGRAM
+from megatron.shared_prefix.ssm.triton_causal_conv import BACKWARD_TOKENS, MAX_WIDTH
 from megatron.shared_prefix.tensors import ForestTensors
 
 FP32_TOLERANCE = 1e-6
-# (tokens, channels, width, silu, bias): one backward program's tokens and more, channel tails.
+# (tokens, channels, width, silu, bias): rows of more than one backward program (each walks
+# BACKWARD_TOKENS tokens and the w - 1 after them), channel tails, every width up to MAX_WIDTH.
 ROW_CASES = [
-    (BLOCK_T * TILES_PER_PROGRAM + 45, 37, 4, True, True),
-    (300, 130, 4, False, True),
+    (2 * BACKWARD_TOKENS + 45, 37, 4, True, True),
+    (BACKWARD_TOKENS + 2, 130, 4, False, True),
     (5, 9, 3, True, False),
-    (64, 16, 2, True, True),
-    (50, 20, 5, False, False),
+    (BACKWARD_TOKENS + 7, 16, 2, True, True),
+    (50, 20, 3, False, False),
+    (40, 8, 1, True, True),
 ]
 
 
@@ -174,6 +176,8 @@ def test_rejects_bad_inputs_before_launching():
         row_causal_conv1d(x.T, weight)
     with pytest.raises(ValueError, match="weight must be"):
         row_causal_conv1d(x, weight[1:])
+    with pytest.raises(ValueError, match=f"w <= {MAX_WIDTH}"):
+        row_causal_conv1d(x, torch.randn(6, MAX_WIDTH + 1))
     with pytest.raises(ValueError, match="bias must be"):
         row_causal_conv1d(x, weight, torch.randn(5))
     with pytest.raises(ValueError, match="dtype"):
@@ -185,7 +189,8 @@ def test_rejects_bad_inputs_before_launching():
 
 def test_rows_past_int32_offsets_are_refused_or_left_to_torch():
     """The kernels index in int32: the largest offset of a [T, C] row (T - 1) * stride + C - 1
-    must fit. Such rows are refused by the kernel, and "auto" leaves them to PyTorch's conv."""
+    must fit. Such rows are refused by the kernel, and "auto" leaves them, and convs wider than
+    MAX_WIDTH, to PyTorch's conv."""
     from megatron.shared_prefix.ssm import tree_conv
     from megatron.shared_prefix.ssm.triton_causal_conv import MAX_OFFSET, offsets_fit
 
@@ -202,10 +207,11 @@ def test_rows_past_int32_offsets_are_refused_or_left_to_torch():
             return (longest * stride, stride, 1)[dim]
 
     row = Row()
-    assert tree_conv._use_triton(row, "auto")
+    assert tree_conv._use_triton(row, 4, "auto")
+    assert not tree_conv._use_triton(row, MAX_WIDTH + 1, "auto")  # wider convs: PyTorch's
     row.shape = (1, longest + 1, channels)
-    assert not tree_conv._use_triton(row, "auto")
-    assert tree_conv._use_triton(row, "triton") and not tree_conv._use_triton(row, "torch")
+    assert not tree_conv._use_triton(row, 4, "auto")
+    assert tree_conv._use_triton(row, 4, "triton") and not tree_conv._use_triton(row, 4, "torch")
     with pytest.raises(ValueError, match="int32 offsets"):
         from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
 
