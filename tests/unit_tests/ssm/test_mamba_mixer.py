@@ -3,7 +3,6 @@ it leaves no trace in the parameters, and on CUDA that rows of new lengths and s
 Triton kernel. The model-level ``precompile_tree_mamba`` is tested with the model
 (tests/unit_tests/models/hybrid/test_mamba_forest.py)."""
 
-
 import numpy as np
 import pytest
 import torch
