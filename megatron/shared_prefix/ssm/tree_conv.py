@@ -14,7 +14,7 @@ Implementation (memory O(T * channels)):
    ``groups = channels``, then the activation, as megatron-core's non-fused path does; "triton"
    runs triton_causal_conv.py (forward and backward, activation fused, no channels-first copies);
    "auto" takes Triton for CUDA tensors (unless a row is too long for its int32 offsets: over
-   about 2^31 / d_proj tokens, or the conv wider than its ``MAX_WIDTH`` of 8 taps) and torch
+   about 2^31 / d_proj tokens, or the conv wider than its ``MAX_WIDTH`` of 4 taps) and torch
    otherwise;
 2. a fix-up of those few tokens: their windows are gathered along the root path
    (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv and the activation are
