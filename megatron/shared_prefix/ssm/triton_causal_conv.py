@@ -20,7 +20,7 @@ of ``BACKWARD_BLOCK_C`` channels one token at a time, holding the inputs and the
 t it loads x[t] and g[t] once, recomputes the pre-activation from the window in registers, and
 writes:
 
-* ``dx[t - (w-1)] = sum_k weight[:, k] * g'[t - k]``, the last output whose window ends by t (the
+* ``dx[t - (w-1)] = sum_k weight[:, k] * g'[t - k]``, whose last term g'[t] is then known (the
   program walks ``w - 1`` tokens past its own for their g' only), zero past the row's end;
 * at its end, partial sums over its own tokens of ``g'[t] * x[t - (w-1) + k]`` (weight) and
   ``g'[t]`` (bias), added over programs in index order by ``torch.sum``: no atomics, so results
