@@ -591,16 +591,20 @@ def conv_comparison(mixer, args):
 
                 outputs[backend] = forward().detach()
                 with torch.no_grad():
-                    record[f"{backend} forward ms"] = cuda_time_ms(forward, args.repeats)
+                    record[f"{backend} forward ms"] = cuda_time_ms(
+                        forward, args.repeats, host_ahead=True
+                    )
                 record[f"{backend} forward+backward ms"] = cuda_time_ms(
-                    forward_backward_conv, args.repeats
+                    forward_backward_conv, args.repeats, host_ahead=True
                 )
             varlen = megatron_varlen_conv(forest, width)
             if varlen is not None:
                 with torch.no_grad():
                     outputs["megatron-core"] = varlen(x.detach(), weight.detach(), bias.detach())
                     record["megatron-core varlen forward ms"] = cuda_time_ms(
-                        lambda: varlen(x.detach(), weight.detach(), bias.detach()), args.repeats
+                        lambda: varlen(x.detach(), weight.detach(), bias.detach()),
+                        args.repeats,
+                        host_ahead=True,
                     )
             reference = outputs.pop("torch").float()
             for key, value in outputs.items():
@@ -621,7 +625,8 @@ def conv_markdown(rows, command, args, mixer):
         f"{args.hidden}: {mixer.conv1d_weight.shape[0]} channels, width {mixer.d_conv}, SiLU, "
         "bf16; "
         "input a strided slice of a projection-wide tensor, as Mamba's xBC is). ms: GPU time, "
-        f"median of {args.repeats} runs queued back to back. torch: F.conv1d over the row, then "
+        f"median of {args.repeats} runs queued back to back behind a sleep kernel (the host has "
+        "queued them all before the GPU reaches them). torch: F.conv1d over the row, then "
         "the SiLU; triton: the Triton row conv with the SiLU fused (ssm/triton_causal_conv.py); "
         "both recompute the first w - 1 tokens of each segment from their root-path windows. "
         "megatron-core varlen: megatron-core 0.19.2's `causal_conv1d_varlen_fn` (forward only, no "
