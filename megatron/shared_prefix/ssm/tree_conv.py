@@ -22,9 +22,12 @@ Implementation (memory O(T * channels)):
    accumulation: each fixed token is written once, so the result and its gradient do not depend on
    any order).
 
-The fix-up touches at most ``S * (w - 1)`` tokens (S segments), a small fraction of the row.
+The fix-up touches at most ``S * (w - 1)`` tokens (S segments), a small fraction of the row. On the
+torch backend autograd differentiates the two steps as written; on Triton they are one autograd
+node (``_TritonTreeConv``) whose backward touches no more of the row than the row conv's own does.
 """
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -37,13 +40,27 @@ ACTIVATIONS = (None, "silu", "swish")
 CONV_BACKENDS = ("auto", "torch", "triton")
 
 
-def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [F], windows [F, width]) of the tokens whose window leaves their segment.
+@dataclass(frozen=True)
+class FixupWindows:
+    """The tokens of a row whose conv window leaves their segment, and where their windows lie.
 
-    ``windows[i, k]`` is the packed index of the token that tap ``k`` of the weight multiplies for
-    ``tokens[i]`` (tap ``width - 1`` is the token itself, tap ``width - 1 - j`` the j-th previous
-    token on its root path), -1 where the root path is shorter. Cached on the forest.
+    F fixed tokens, w taps, P present window entries (packed tokens, not beyond a root), U distinct
+    tokens those entries read, T tokens in the row.
     """
+
+    tokens: torch.Tensor  # [F] int64 packed indices of the fixed tokens (the first w - 1 of each
+    # segment, fewer in a shorter segment)
+    windows: torch.Tensor  # [F, w] int64: ``windows[i, k]`` is the packed token tap k multiplies
+    # for ``tokens[i]`` (tap w - 1 the token itself), -1 where the root path is shorter
+    skip: torch.Tensor  # [T] uint8, 1 at the fixed tokens (the Triton row conv's backward skips
+    # their output gradients)
+    sources: torch.Tensor  # [P] int64 flat indices ``i * w + k`` of the present window entries
+    targets: torch.Tensor  # [U] int64 distinct packed tokens the present entries read
+    target_slots: torch.Tensor  # [P] int64 index into ``targets`` of each present entry
+
+
+def _fixup_windows(forest: ForestTensors, width: int) -> FixupWindows:
+    """The ``FixupWindows`` of ``forest`` for a conv of ``width`` taps, cached on the forest."""
 
     def build():
         # On the host, from the layout: a device-side nonzero would synchronize inside the forward.
@@ -52,9 +69,77 @@ def _fixup_windows(forest: ForestTensors, width: int) -> tuple[torch.Tensor, tor
         tokens = np.flatnonzero(offset < width - 1)
         predecessors = forest.host_root_path_predecessors(width - 1)[tokens]  # nearest first
         windows = np.concatenate([predecessors[:, ::-1], tokens[:, None]], axis=1)
-        return hosts_to_device([tokens, windows], forest.device)
+        skip = np.zeros(forest.num_tokens, dtype=np.uint8)
+        skip[tokens] = 1
+        sources = np.flatnonzero(windows.reshape(-1) >= 0)
+        targets, target_slots = np.unique(windows.reshape(-1)[sources], return_inverse=True)
+        arrays = (tokens, windows, skip, sources, targets, target_slots.reshape(-1))
+        return FixupWindows(*hosts_to_device(arrays, forest.device))
 
     return forest.derive(("tree_conv_fixup", width), build)
+
+
+def _fixup_pre_activation(rows, fixup: FixupWindows, weight, bias, compute):
+    """(windows [F, w, d], pre-activations [F, d]) in ``compute`` of the fixed tokens, from
+    rows [T, d]: zeros beyond the root, the bias added after the taps."""
+    present = (fixup.windows >= 0).unsqueeze(-1)  # [F, w, 1]
+    gathered = rows[fixup.windows.clamp(min=0)].to(compute) * present  # [F, w, d]
+    pre = torch.einsum("fkd,dk->fd", gathered, weight.to(compute))
+    if bias is not None:
+        pre = pre + bias.to(compute)
+    return gathered, pre
+
+
+class _TritonTreeConv(torch.autograd.Function):
+    """The Triton row conv and the fix-up as one autograd node.
+
+    Composed of autograd ops (the torch backend's form), the fix-up's backward costs three passes
+    over a [T, d] tensor: the in-place write of the fixed outputs clones the output gradient to
+    zero its fixed rows, and the gather of their windows scatters into a zero [T, d] gradient that
+    is then added to the row conv's. Here the row conv's backward skips the fixed rows' gradients
+    (``FixupWindows.skip``) and the windows' gradients are added into its dx at the U tokens they
+    read, in float32 (``index_put_`` with accumulation, which sorts its indices on CUDA: the order
+    of addition is fixed) and rounded once.
+
+    Args (``apply``): rows [T, d] (unit channel stride), weight [d, w] (w >= 2), bias [d] or None,
+    silu (bool), fixup (``FixupWindows``). Returns [T, d] contiguous in rows' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, silu, fixup):  # pylint: disable=arguments-differ
+        # pylint: disable-next=import-outside-toplevel
+        from megatron.shared_prefix.ssm.triton_causal_conv import forward_rows
+
+        out = forward_rows(rows, weight, bias, silu)
+        _, pre = _fixup_pre_activation(rows, fixup, weight, bias, torch.float32)
+        out.index_put_((fixup.tokens,), (F.silu(pre) if silu else pre).to(out.dtype))
+        ctx.save_for_backward(rows, weight, bias)
+        ctx.silu, ctx.fixup = silu, fixup
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # pylint: disable=arguments-differ
+        # pylint: disable-next=import-outside-toplevel
+        from megatron.shared_prefix.ssm.triton_causal_conv import backward_rows
+
+        rows, weight, bias = ctx.saved_tensors
+        fixup, width, channels = ctx.fixup, weight.shape[1], weight.shape[0]
+        dx, sums = backward_rows(rows, grad, weight, bias, ctx.silu, skip=fixup.skip)
+        gathered, pre = _fixup_pre_activation(rows, fixup, weight, bias, torch.float32)
+        pre_grad = grad[fixup.tokens].float()  # [F, d]
+        if ctx.silu:
+            sigmoid = torch.sigmoid(pre)
+            pre_grad = pre_grad * sigmoid * (1 + pre * (1 - sigmoid))
+        sums[:, :width] += torch.einsum("fd,fkd->dk", pre_grad, gathered)
+        sums[:, width] += pre_grad.sum(0)
+        window_grads = pre_grad.unsqueeze(1) * weight.float().t().unsqueeze(0)  # [F, w, d]
+        window_grads = window_grads.reshape(-1, channels)[fixup.sources]  # [P, d]
+        added = torch.zeros(len(fixup.targets), channels, dtype=torch.float32, device=dx.device)
+        added.index_put_((fixup.target_slots,), window_grads, accumulate=True)
+        dx[fixup.targets] = (dx[fixup.targets].float() + added).to(dx.dtype)
+        dweight = sums[:, :width].to(weight.dtype)
+        dbias = None if bias is None else sums[:, width].to(bias.dtype)
+        return dx, dweight, dbias, None, None
 
 
 def prepare_tree_conv(forest: ForestTensors, width: int) -> None:
@@ -128,32 +213,32 @@ def tree_causal_conv1d(
         )
     width, length = weight.shape[1], x.shape[1]
 
-    # 1. The ordinary causal conv of the packed row: right wherever the window stays in-segment.
+    silu = activation is not None
     if _use_triton(x, width, backend):
         # pylint: disable-next=import-outside-toplevel
         from megatron.shared_prefix.ssm.triton_causal_conv import row_causal_conv1d
 
         rows = x[0] if x.stride(2) == 1 else x[0].contiguous()
-        out = row_causal_conv1d(rows, weight, bias, silu=activation is not None)  # [T, d]
-    else:
-        out = F.conv1d(
-            x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=channels
-        )[..., :length]
-        out = out.transpose(1, 2)[0]  # [T, d]
-        if activation is not None:
-            out = F.silu(out)
+        if width == 1:  # every window is the token itself: nothing to fix up
+            return row_causal_conv1d(rows, weight, bias, silu).unsqueeze(0)
+        fixup = _fixup_windows(forest, width)
+        return _TritonTreeConv.apply(rows, weight, bias, silu, fixup).unsqueeze(0)
+
+    # 1. The ordinary causal conv of the packed row: right wherever the window stays in-segment.
+    out = F.conv1d(
+        x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=channels
+    )[..., :length]
+    out = out.transpose(1, 2)[0]  # [T, d]
+    if silu:
+        out = F.silu(out)
 
     # 2. Recompute the first min(w - 1, len) tokens of every segment from their root-path windows.
     if width > 1:
-        tokens, windows = _fixup_windows(forest, width)
+        fixup = _fixup_windows(forest, width)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        present = (windows >= 0).unsqueeze(-1)  # [F, w, 1]
-        gathered = x[0][windows.clamp(min=0)] * present  # [F, w, d]; zeros beyond the root
-        fixed = torch.einsum("fkd,dk->fd", gathered.to(compute), weight.to(compute))
-        if bias is not None:
-            fixed = fixed + bias.to(compute)
-        if activation is not None:
+        _, fixed = _fixup_pre_activation(x[0], fixup, weight, bias, compute)
+        if silu:
             fixed = F.silu(fixed)
-        # Neither row conv keeps its output for backward, so the fix-up writes into it in place.
-        out.index_put_((tokens,), fixed.to(out.dtype))
+        # The row conv does not keep its output for backward, so the fix-up writes into it.
+        out.index_put_((fixup.tokens,), fixed.to(out.dtype))
     return out.unsqueeze(0)

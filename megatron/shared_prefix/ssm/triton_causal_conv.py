@@ -22,6 +22,8 @@ writes:
 
 * ``dx[t - (w-1)] = sum_k weight[:, k] * g'[t - k]``, whose last term g'[t] is then known (the
   program walks ``w - 1`` tokens past its own for their g' only), zero past the row's end;
+* with a ``skip`` mask (the tree conv's fixed tokens, whose outputs the fix-up replaced), the
+  output gradient of a skipped token counts as zero, without a masked copy of the gradient;
 * at its end, partial sums over its own tokens of ``g'[t] * x[t - (w-1) + k]`` (weight) and
   ``g'[t]`` (bias), added over programs in index order by ``torch.sum``: no atomics, so results
   are bitwise reproducible.
@@ -141,6 +143,7 @@ def _conv_backward_kernel(
     bias_ptr,
     dx_ptr,
     partial_ptr,
+    skip_ptr,
     num_tokens,
     channels,
     stride_x,
@@ -148,12 +151,14 @@ def _conv_backward_kernel(
     WIDTH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """One program: BLOCK_C channels of TOKENS consecutive tokens, walked one token at a time
     with the last four inputs and pre-activation gradients held in registers (WIDTH <= 4; the
-    taps a narrower conv lacks are zero and never added)."""
+    taps a narrower conv lacks are zero and never added). With HAS_SKIP, the output gradient of
+    every token t with skip[t] != 0 counts as zero (outputs another computation replaced)."""
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < channels
     start = tl.program_id(0) * TOKENS
@@ -186,6 +191,9 @@ def _conv_backward_kernel(
         x_now, grad = x_next, grad_next
         x_next = _load_row(x_ptr, token + 1, cols, col_mask, num_tokens, stride_x)
         grad_next = _load_row(grad_ptr, token + 1, cols, col_mask, num_tokens, stride_grad)
+        if HAS_SKIP:
+            skip = tl.load(skip_ptr + token, mask=token < num_tokens, other=0)
+            grad = tl.where(skip != 0, 0.0, grad)
         if SILU:
             # The forward's order: the bias, then the taps from the oldest token on.
             pre = bias
@@ -262,6 +270,44 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> None:
         raise ValueError(f"bias must be [C={x.shape[1]}], got {tuple(bias.shape)}")
 
 
+def forward_rows(x, weight, bias, silu: bool) -> torch.Tensor:
+    """[T, C] ``act(causal depthwise conv)`` of x [T, C] (unit channel stride), contiguous in x's
+    dtype: the forward kernel, no autograd."""
+    _check(x, weight, bias)
+    num_tokens, channels = x.shape
+    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))
+    _conv_forward_kernel[grid](
+        x, weight.contiguous(), bias, out, num_tokens, channels, x.stride(0),
+        WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=bool(silu),
+        BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    return out
+
+
+def backward_rows(x, grad, weight, bias, silu: bool, skip=None):
+    """(dx [T, C] in x's dtype, sums [C, w + 1] float32) of ``forward_rows`` for the output
+    gradient ``grad`` [T, C]: ``sums[:, k]`` is weight tap k's gradient and ``sums[:, w]`` the
+    bias's, not yet rounded (a caller may add more terms first). ``skip`` [T] uint8 (or None):
+    tokens whose output gradient counts as zero, without a masked copy of ``grad``."""
+    if grad.stride(1) != 1 or not offsets_fit(*grad.shape[:1], grad.stride(0), grad.shape[1]):
+        grad = grad.contiguous()
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    programs = triton.cdiv(num_tokens, BACKWARD_TOKENS)
+    dx = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    # Every element is written by its program (masked channels are never read).
+    partial = torch.empty(programs, channels, width + 1, dtype=torch.float32, device=x.device)
+    grid = (programs, triton.cdiv(channels, BACKWARD_BLOCK_C))
+    _conv_backward_kernel[grid](
+        x, grad, weight.contiguous(), bias, dx, partial, skip, num_tokens, channels, x.stride(0),
+        grad.stride(0), WIDTH=width, HAS_BIAS=bias is not None, SILU=bool(silu),
+        HAS_SKIP=skip is not None, TOKENS=BACKWARD_TOKENS, BLOCK_C=BACKWARD_BLOCK_C,
+        num_warps=BACKWARD_WARPS,
+    )  # fmt: skip
+    return dx, partial.sum(0)  # the programs in index order
+
+
 class RowCausalConv(torch.autograd.Function):
     """``act(causal depthwise conv)`` of a packed row (the module docstring has the math).
 
@@ -271,16 +317,7 @@ class RowCausalConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, silu):  # pylint: disable=arguments-differ
-        _check(x, weight, bias)
-        num_tokens, channels = x.shape
-        weight = weight.contiguous()
-        out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))
-        _conv_forward_kernel[grid](
-            x, weight, bias, out, num_tokens, channels, x.stride(0),
-            WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=bool(silu),
-            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+        out = forward_rows(x, weight, bias, silu)
         ctx.save_for_backward(x, weight, bias)
         ctx.silu = bool(silu)
         return out
@@ -288,21 +325,8 @@ class RowCausalConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # pylint: disable=arguments-differ
         x, weight, bias = ctx.saved_tensors
-        if grad.stride(1) != 1 or not offsets_fit(*grad.shape[:1], grad.stride(0), grad.shape[1]):
-            grad = grad.contiguous()
-        num_tokens, channels = x.shape
+        dx, sums = backward_rows(x, grad, weight, bias, ctx.silu)
         width = weight.shape[1]
-        programs = triton.cdiv(num_tokens, BACKWARD_TOKENS)
-        dx = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
-        # Every element is written by its program (masked channels are never read).
-        partial = torch.empty(programs, channels, width + 1, dtype=torch.float32, device=x.device)
-        grid = (programs, triton.cdiv(channels, BACKWARD_BLOCK_C))
-        _conv_backward_kernel[grid](
-            x, grad, weight, bias, dx, partial, num_tokens, channels, x.stride(0), grad.stride(0),
-            WIDTH=width, HAS_BIAS=bias is not None, SILU=ctx.silu,
-            TOKENS=BACKWARD_TOKENS, BLOCK_C=BACKWARD_BLOCK_C, num_warps=BACKWARD_WARPS,
-        )  # fmt: skip
-        sums = partial.sum(0)  # [C, w + 1], float32, the programs in index order
         dweight = sums[:, :width].to(weight.dtype)
         dbias = None if bias is None else sums[:, width].to(bias.dtype)
         return dx, dweight, dbias, None

@@ -118,12 +118,18 @@ def test_only_segment_heads_are_recomputed(forest_sequences):
     )
 
     layout, forest = make_forest(forest_sequences(seed=5, depth=3))
-    tokens, windows = _fixup_windows(forest, 4)
+    fixup = _fixup_windows(forest, 4)
     expected = np.concatenate(
         [np.arange(s, s + min(3, n)) for s, n in zip(layout.segment_starts, layout.segment_lengths)]
     )
-    assert np.array_equal(tokens.numpy(), expected)
-    assert torch.equal(windows[:, -1], tokens)
+    assert np.array_equal(fixup.tokens.numpy(), expected)
+    assert torch.equal(fixup.windows[:, -1], fixup.tokens)
+    assert torch.equal(fixup.skip.nonzero()[:, 0], fixup.tokens)
+    # The present entries, and the distinct tokens they read, in the order the backward adds.
+    entries = fixup.windows.reshape(-1)
+    assert torch.equal(fixup.sources, (entries >= 0).nonzero()[:, 0])
+    assert torch.equal(fixup.targets[fixup.target_slots], entries[fixup.sources])
+    assert torch.equal(fixup.targets, entries[entries >= 0].unique())
     assert forest.derive(("tree_conv_fixup", 4), lambda: None) is not None  # cached on the forest
 
 

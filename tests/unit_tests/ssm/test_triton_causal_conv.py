@@ -4,8 +4,9 @@
   the same inputs: output and the gradients of x, weight and bias, on strided token-major inputs
   (a slice of a wider tensor, as Mamba's xBC is of the projection), widths 1-4, with and without
   bias and SiLU, row lengths that are not multiples of the backward's token ranges.
-* Tree conv with ``backend="triton"`` against the sequential oracle
-  (``reference.tree_causal_conv1d_sequential``) on a forest whose windows cross segment boundaries.
+* Tree conv with ``backend="triton"`` (the row conv and the fix-up as one autograd node) against
+  the sequential oracle (``reference.tree_causal_conv1d_sequential``) on a forest whose windows
+  cross segment boundaries, widths 2-4, with and without bias and SiLU.
 * A TreeMambaMixer with ``tree_conv_backend="triton"`` against the same mixer on "torch": output
   and every gradient.
 * CPU: Triton's interpreter (TRITON_INTERPRET=1 must be set before triton compiles anything, hence
@@ -36,6 +37,9 @@ ROW_CASES = [
     (50, 20, 3, False, False),
     (40, 8, 1, True, True),
 ]
+# (width, silu, bias) of the tree conv cases: the fix-up and its backward at every width that
+# has one, each with and without the SiLU and the bias.
+TREE_CASES = [(4, True, True), (4, False, False), (3, True, False), (2, False, True)]
 
 
 def rel_err(actual, expected):
@@ -86,31 +90,35 @@ def crossing_forest(device):
     return layout, ForestTensors.from_layout(layout, device)
 
 
-def tree_errors(device, dtype, expected_backend):
-    """Relative errors of the tree conv on the Triton backend against ``expected_backend``
-    ("oracle": the float64 sequential reference; "torch": the torch backend, same dtype)."""
+def tree_errors(device, dtype, expected_backend, width=4, silu=True, bias=True):
+    """Relative errors (output, dx, dweight[, dbias]) of the tree conv on the Triton backend
+    against ``expected_backend`` ("oracle": the float64 sequential reference; "torch": the torch
+    backend, same dtype)."""
     layout, forest = crossing_forest(device)
-    generator = torch.Generator().manual_seed(5)
-    channels, width = 24, 4
+    generator = torch.Generator().manual_seed(5 + width)
+    channels, activation = 24, "silu" if silu else None
 
     def rand(*shape):
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     x = rand(1, layout.num_tokens, channels + 5)[..., 2 : 2 + channels].requires_grad_()
-    weight, bias = rand(channels, 1, width).requires_grad_(), rand(channels).requires_grad_()
+    weight = rand(channels, 1, width).requires_grad_()
+    conv_bias = rand(channels).requires_grad_() if bias else None
+    inputs = [x, weight, conv_bias]
+    leaves = [t for t in inputs if t is not None]
     probe = rand(1, layout.num_tokens, channels).float()
-    out = tree_causal_conv1d(x, weight, bias, forest, "silu", backend="triton")
-    grads = torch.autograd.grad((out.float() * probe).sum(), (x, weight, bias))
+    out = tree_causal_conv1d(*inputs, forest, activation, backend="triton")
+    grads = torch.autograd.grad((out.float() * probe).sum(), leaves)
+    copy = torch.float64 if expected_backend == "oracle" else dtype
+    expected_inputs = [None if t is None else t.detach().to(copy).requires_grad_() for t in inputs]
+    expected_leaves = [t for t in expected_inputs if t is not None]
     if expected_backend == "oracle":
-        leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
-        expected = reference.tree_causal_conv1d_sequential(
-            leaves[0], leaves[1].reshape(channels, width), leaves[2], layout, "silu"
-        )
+        expected_inputs[1] = expected_inputs[1].reshape(channels, width)
+        expected = reference.tree_causal_conv1d_sequential(*expected_inputs, layout, activation)
         probe = probe.double()
     else:
-        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
-        expected = tree_causal_conv1d(*leaves, forest, "silu", backend="torch")
-    expected_grads = torch.autograd.grad((expected.to(probe.dtype) * probe).sum(), leaves)
+        expected = tree_causal_conv1d(*expected_inputs, forest, activation, backend="torch")
+    expected_grads = torch.autograd.grad((expected.to(probe.dtype) * probe).sum(), expected_leaves)
     return [rel_err(out, expected)] + [rel_err(a, e) for a, e in zip(grads, expected_grads)]
 
 
@@ -131,12 +139,12 @@ def mixer_errors():
     hidden = torch.randn(layout.num_tokens, 1, 32, generator=generator).requires_grad_()
     probe = torch.randn(layout.num_tokens, 1, 32, generator=generator)
     leaves = [hidden, *mixer.parameters()]
-    # Count the Triton row conv's calls (tree_conv.py looks it up at each call).
+    # Count the Triton row conv's forward launches (tree_conv.py looks it up at each call).
     calls = []
-    row_conv = triton_causal_conv.row_causal_conv1d
-    triton_causal_conv.row_causal_conv1d = lambda *args, **kwargs: (
+    row_forward = triton_causal_conv.forward_rows
+    triton_causal_conv.forward_rows = lambda *args, **kwargs: (
         calls.append(1),
-        row_conv(*args, **kwargs),
+        row_forward(*args, **kwargs),
     )[1]
     results = {}
     for backend, expected_calls in (("torch", 0), ("triton", 1)):
@@ -156,8 +164,9 @@ def interpreted_checks():
     for case in ROW_CASES:
         errors = row_errors(*case, "cpu", torch.float32)
         assert max(errors) <= FP32_TOLERANCE, (case, errors)
-    errors = tree_errors("cpu", torch.float32, "oracle")
-    assert max(errors) <= FP32_TOLERANCE, errors
+    for case in TREE_CASES:
+        errors = tree_errors("cpu", torch.float32, "oracle", *case)
+        assert max(errors) <= FP32_TOLERANCE, (case, errors)
     errors = mixer_errors()
     assert max(errors) <= FP32_TOLERANCE, errors
     print("interpreted row conv, tree conv and mixer within", FP32_TOLERANCE)
@@ -228,8 +237,9 @@ def test_compiled_kernels_match_torch_backend(dtype, tolerance):
     """On CUDA the Triton tree conv equals the torch backend's to rounding (bf16: a few output
     roundings: the torch backend rounds the conv before the SiLU, Triton once after it), and the
     row conv equals float64 PyTorch."""
-    errors = tree_errors("cuda", dtype, "torch")
-    assert max(errors) <= tolerance, errors
+    for case in TREE_CASES:
+        errors = tree_errors("cuda", dtype, "torch", *case)
+        assert max(errors) <= tolerance, (case, errors)
     for case in ROW_CASES:
         errors = row_errors(*case, "cuda", dtype)
         assert max(errors) <= tolerance, (case, errors)

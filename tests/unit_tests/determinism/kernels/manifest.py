@@ -213,8 +213,12 @@ ENTRIES = [
         notes=(
             "The row conv (F.conv1d and SiLU, or on CUDA the Triton row conv, entry "
             "row_causal_conv1d) plus root-path window gathers for segment heads, written into the "
-            "row conv's output with a non-accumulating index_put_; the gather's backward accumulates into parent tails "
-            "(bit-reproducible on CUDA only in deterministic mode). GPU replay with both row convs."
+            "row conv's output with a non-accumulating index_put_. Backward, torch backend: the "
+            "gather's autograd backward accumulates into parent tails; Triton backend (one "
+            "autograd node): the windows' float32 gradients are added per distinct token read "
+            "by index_put_ with accumulation (sorted indices on CUDA), then into the row conv's "
+            "dx with a non-accumulating index_put_ of distinct tokens. GPU replay with both row "
+            "convs."
         ),
     ),
     KernelEntry(

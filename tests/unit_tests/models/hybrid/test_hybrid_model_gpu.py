@@ -85,7 +85,7 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
         plan = TreeScanPlan.of(forest)
         forked = ForkedStates.of(forest, plan)
         block_mask = tree_block_mask(forest, block_size=16)
-        tokens, windows = _fixup_windows(forest, 4)
+        fixup = _fixup_windows(forest, 4)
         ForestRoutingTables.build(forest)
         predecessors = forest.root_path_predecessors(3)
         depths = _mtp_depths(mtp_model, forest)
@@ -106,8 +106,9 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
     for ours, theirs in zip(block_mask.as_tuple(), cpu_mask.as_tuple()):
         if isinstance(ours, torch.Tensor):
             assert torch.equal(ours.cpu(), theirs)
-    cpu_tokens, cpu_windows = _fixup_windows(cpu, 4)
-    assert torch.equal(tokens.cpu(), cpu_tokens) and torch.equal(windows.cpu(), cpu_windows)
+    cpu_fixup = _fixup_windows(cpu, 4)
+    for name in ("tokens", "windows", "skip", "sources", "targets", "target_slots"):
+        assert torch.equal(getattr(fixup, name).cpu(), getattr(cpu_fixup, name)), name
     for depth, cpu_depth in zip(depths, _mtp_depths(mtp_model, cpu), strict=True):
         assert torch.equal(depth.input_index.cpu(), cpu_depth.input_index)
         assert torch.equal(depth.main_edge_slot.cpu(), cpu_depth.main_edge_slot)
