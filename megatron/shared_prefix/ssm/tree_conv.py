@@ -90,6 +90,14 @@ def _fixup_pre_activation(rows, fixup: FixupWindows, weight, bias, compute):
     return gathered, pre
 
 
+def _write_fixed_tokens(out, rows, fixup: FixupWindows, weight, bias, silu, compute) -> None:
+    """Overwrite the fixed tokens of the row conv's output out [T, d] with their root-path conv
+    (and SiLU), computed in ``compute`` and rounded once (``index_put_`` without accumulation:
+    each fixed token is written once). The row conv does not keep its output for backward."""
+    _, fixed = _fixup_pre_activation(rows, fixup, weight, bias, compute)
+    out.index_put_((fixup.tokens,), (F.silu(fixed) if silu else fixed).to(out.dtype))
+
+
 class _TritonTreeConv(torch.autograd.Function):
     """The Triton row conv and the fix-up as one autograd node.
 
@@ -111,8 +119,7 @@ class _TritonTreeConv(torch.autograd.Function):
         from megatron.shared_prefix.ssm.triton_causal_conv import forward_rows
 
         out = forward_rows(rows, weight, bias, silu)
-        _, pre = _fixup_pre_activation(rows, fixup, weight, bias, torch.float32)
-        out.index_put_((fixup.tokens,), (F.silu(pre) if silu else pre).to(out.dtype))
+        _write_fixed_tokens(out, rows, fixup, weight, bias, silu, torch.float32)
         ctx.save_for_backward(rows, weight, bias)
         ctx.silu, ctx.fixup = silu, fixup
         return out
@@ -234,11 +241,6 @@ def tree_causal_conv1d(
 
     # 2. Recompute the first min(w - 1, len) tokens of every segment from their root-path windows.
     if width > 1:
-        fixup = _fixup_windows(forest, width)
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        _, fixed = _fixup_pre_activation(x[0], fixup, weight, bias, compute)
-        if silu:
-            fixed = F.silu(fixed)
-        # The row conv does not keep its output for backward, so the fix-up writes into it.
-        out.index_put_((fixup.tokens,), fixed.to(out.dtype))
+        _write_fixed_tokens(out, x[0], _fixup_windows(forest, width), weight, bias, silu, compute)
     return out.unsqueeze(0)

@@ -133,6 +133,26 @@ def test_only_segment_heads_are_recomputed(forest_sequences):
     assert forest.derive(("tree_conv_fixup", 4), lambda: None) is not None  # cached on the forest
 
 
+def test_fixup_rewrites_exactly_the_fixed_tokens(forest_sequences):
+    """The tree conv is the plain row conv everywhere but at the fixed tokens, where it is the
+    oracle's root-path conv: the fix-up (shared by both backends) writes those rows and no other."""
+    from megatron.shared_prefix.ssm.tree_conv import (  # pylint: disable=import-outside-toplevel
+        _fixup_windows,
+    )
+
+    layout, forest = make_forest(forest_sequences(seed=6, depth=3, max_segment=3))
+    x, weight, bias = conv_inputs(layout.num_tokens, 5, 4)
+    out = tree_causal_conv1d(x, weight, bias, forest, "silu", backend="torch")[0].detach()
+    row_conv = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=3, groups=5)
+    row_conv = F.silu(row_conv[0, :, : layout.num_tokens].T).detach()
+    fixed = torch.zeros(layout.num_tokens, dtype=torch.bool)
+    fixed[_fixup_windows(forest, 4).tokens] = True
+    assert torch.equal(out[~fixed], row_conv[~fixed])
+    expected = reference.tree_causal_conv1d_sequential(x, weight, bias, layout, "silu")[0]
+    assert rel_err(out[fixed], expected[fixed]) <= EXACT
+    assert not torch.allclose(row_conv[fixed], expected[fixed])  # the fix-up changed something
+
+
 def test_fixup_writes_into_the_row_conv_output(monkeypatch):
     """The fix-up overwrites the segment heads in the row conv's own output (index_put_), not in a
     copy of it: the result is the buffer the row conv's activation returned."""
