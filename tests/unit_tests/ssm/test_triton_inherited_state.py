@@ -16,14 +16,19 @@ forward and backward pair with mamba_ssm's signatures), so the difference is the
 * GPU (marked ``gpu``): compiled kernels, float32 (tl.dot in TF32, like mamba_ssm's own state
   passing) and bf16 (states and weighted inputs rounded to bf16 before the product, as mamba_ssm
   does).
+
+The state sum alone (``state_sum_error``) is also checked against a float64 einsum over each
+parent's children, with and without the gate, log and linear weights, interpreted and compiled.
 """
 
+import itertools
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from triton_interpreter import run_interpreted
 
 from megatron.shared_prefix.planning import plan_shared_prefix
@@ -143,6 +148,40 @@ def test_interpreted_kernels_match_torch_oracle():
         assert "relative error" in run_interpreted(__file__, small_blocks, row_kind)
 
 
+def state_sum_error(device: str, dtype: torch.dtype) -> float:
+    """Largest relative error of ``state_sum`` against an einsum over each parent's children, with
+    and without the gate, log and linear weights."""
+    from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+        triton_inherited_state as kernels,
+    )
+
+    row = forest(device)
+    plan = tree_scan.TreeScanPlan.of(row)
+    tables = kernels.ForkedStates.of(row, plan).children
+    torch.manual_seed(1)
+    length = row.num_tokens
+    v, z = (torch.randn(length, HEADS, HEAD_DIM, device=device).to(dtype) for _ in range(2))
+    C = torch.randn(length, GROUPS, STATE, device=device).to(dtype)
+    w = -torch.rand(length, HEADS, device=device)
+    per_head = C.double().repeat_interleave(HEADS // GROUPS, dim=1)
+    worst = 0.0
+    for gate, exp_weight in itertools.product((None, z), (True, False)):
+        actual = kernels.state_sum(v, gate, C, w, tables, exp_weight=exp_weight)
+        gated = v.double() * (1 if gate is None else F.silu(gate.double()))
+        weighted = gated * (w.double().exp() if exp_weight else w.double())[..., None]
+        for slot, children in enumerate(plan.child_tokens):
+            expected = torch.einsum("thp,thn->hpn", weighted[children], per_head[children])
+            error = (actual[slot].double() - expected).abs().max() / expected.abs().max()
+            worst = max(worst, float(error))
+    return worst
+
+
+def test_interpreted_state_sum_matches_einsum():
+    pytest.importorskip("triton")
+    output = run_interpreted(__file__, "state-sum", "")
+    assert "state sum error" in output
+
+
 def test_token_blocks_cover_every_token_once_in_order():
     from megatron.shared_prefix.ssm.triton_inherited_state import TOKENS_PER_BLOCK, TokenBlocks
 
@@ -207,6 +246,15 @@ def test_compiled_kernels_match_torch_oracle(dtype):
     compare("cuda", dtype, TOLERANCE[dtype])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_state_sum_matches_einsum(dtype):
+    pytest.importorskip("triton")
+    error = state_sum_error("cuda", dtype)
+    assert error <= TOLERANCE[dtype], error
+
+
 def _bits(tensor):
     return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
 
@@ -267,7 +315,12 @@ def test_states_rounded_by_their_producers_and_fused_pass_give_the_separate_bits
         assert torch.equal(_bits(actual), _bits(expected))
 
 
-if __name__ == "__main__":  # run by test_interpreted_kernels_match_torch_oracle
+if __name__ == "__main__":  # run by the interpreted tests above
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    worst = compare("cpu", torch.float32, TOLERANCE["cpu"], sys.argv[1] == "1", sys.argv[2])
-    print("relative error", worst)
+    if sys.argv[1] == "state-sum":
+        error = state_sum_error("cpu", torch.float32)
+        assert error <= TOLERANCE["cpu"], error
+        print("state sum error", error)
+    else:
+        worst = compare("cpu", torch.float32, TOLERANCE["cpu"], sys.argv[1] == "1", sys.argv[2])
+        print("relative error", worst)
