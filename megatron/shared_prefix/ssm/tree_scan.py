@@ -151,8 +151,9 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
 
     Kept for backward: what mamba_ssm's own ``MambaChunkScanCombinedFn`` keeps, except the
     output when there is no gate (its backward reads it only for the gate; with z the ungated
-    output is kept, as there), plus the fork's [internal segments, h, p, n] float32 end states (its
-    [T, h] float32 log-decays and input weights are recomputed in backward). A row without
+    output is kept, as there), plus the fork's [internal segments, h, p, n] end states in the
+    activations' dtype and, in float32, those of the internal segments that are another's parent
+    (its [T, h] float32 log-decays and input weights are recomputed in backward). A row without
     internal segments runs the scan alone, its outputs and gradients bitwise mamba_ssm's stock
     function's.
 
@@ -261,6 +262,10 @@ class TreeScanPlan:
         segment_chain_slot: [S] int64 the slot of each internal segment that has a parent, -1
             for every other segment (where the Triton segment walk's backward finds a segment's
             part of the chain's gradient).
+        chain_parent_row: [internal] int64 the row of each internal segment that is the parent
+            of another internal segment among those (in slot order), -1 for the others: the
+            chain's backward reads the float32 end states of those alone.
+        num_chain_parents: how many rows ``chain_parent_row`` numbers.
     """
 
     seq_idx: torch.Tensor
@@ -273,6 +278,8 @@ class TreeScanPlan:
     slot_segment: torch.Tensor
     slot_parent: torch.Tensor
     segment_chain_slot: torch.Tensor
+    chain_parent_row: torch.Tensor
+    num_chain_parents: int
 
     @classmethod
     def of(cls, forest: ForestTensors) -> "TreeScanPlan":
@@ -307,6 +314,9 @@ class TreeScanPlan:
         for slot, (segment, _, _, parent_slot) in enumerate(internal):
             if parent_slot >= 0:
                 segment_chain_slot[segment] = slot
+        chain_parents = sorted({parent_slot for *_, parent_slot in internal if parent_slot >= 0})
+        chain_parent_row = np.full(len(internal), -1, dtype=np.int64)
+        chain_parent_row[chain_parents] = np.arange(len(chain_parents))
         host_child_tokens = tuple(order[b:e] for b, e in zip(bounds, ends))
         all_children = order[bounds[0] :] if len(internal_segments) else order[:0]
         tables = [
@@ -316,12 +326,14 @@ class TreeScanPlan:
             [segment for segment, *_ in internal],
             [parent_slot for *_, parent_slot in internal],
             segment_chain_slot,
+            chain_parent_row,
             *host_child_tokens,
         ]
         # One transfer from the host for all of them (tensors.hosts_to_device).
-        (all_child_tokens, first, last, slot_segment, slot_parent, chain_slot, *child_tokens) = (
-            hosts_to_device([np.asarray(table, dtype=np.int64) for table in tables], forest.device)
-        )
+        (all_child_tokens, first, last, slot_segment, slot_parent, chain_slot, parent_row,
+         *child_tokens) = hosts_to_device(
+            [np.asarray(table, dtype=np.int64) for table in tables], forest.device
+        )  # fmt: skip
         return cls(
             seq_idx=forest.token_segment.to(torch.int32).unsqueeze(0).contiguous(),
             internal=internal,
@@ -333,6 +345,8 @@ class TreeScanPlan:
             slot_segment=slot_segment,
             slot_parent=slot_parent,
             segment_chain_slot=chain_slot,
+            chain_parent_row=parent_row,
+            num_chain_parents=len(chain_parents),
         )
 
 

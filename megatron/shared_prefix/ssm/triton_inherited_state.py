@@ -31,7 +31,10 @@ Two small kernels feed them: :func:`segment_decay` (cum, cum_end and the input w
 and A, float64 sums within each segment, one program per piece of a segment and head block,
 :class:`SegmentPieces`) and :func:`chain_states` (``end[s] = own[s] + exp(cum_end[s]) *
 end[parent(s)]`` for all internal segments in one launch, parents first). Every step is thus a
-fixed number of launches per layer, however many segments the row has.
+fixed number of launches per layer, however many segments the row has. Kept for backward: the end
+states in the input dtype (what the products read) and, in float32, only those of the segments
+that are another internal segment's parent (what the chain's backward reads): on a star, no
+float32 state at all.
 
 Precision follows mamba_ssm's chunk scan, which passes states between chunks the same way: the
 float32 state (or weighted input) is rounded to the input dtype and multiplied on tensor cores with
@@ -524,11 +527,14 @@ def _segment_decay_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=("num_slots",))
-def _chain_fwd_kernel(ends_ptr, copy_ptr, own_ptr, cum_end_ptr, slot_segment_ptr, slot_parent_ptr,
-                      num_slots, num_heads, size, BLOCK: tl.constexpr):  # fmt: skip
-    """Program (head, chunk): ends[s] = own[s] + exp(cum_end[segment(s)]) * ends[parent(s)], slots
-    in increasing order (parents first), and ends[s] rounded to copy's dtype in copy (the states
-    the token products read). ends, copy, own: contiguous [S, H, size]."""
+def _chain_fwd_kernel(copy_ptr, parent_ends_ptr, own_ptr, cum_end_ptr, slot_segment_ptr,
+                      slot_parent_ptr, parent_row_ptr, num_slots, num_heads, size,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """Program (head, chunk): end[s] = own[s] + exp(cum_end[segment(s)]) * end[parent(s)], slots
+    in increasing order (parents first), written rounded to copy's dtype in copy (the states the
+    token products read) and, for a slot that is another's parent (parent_row[s] >= 0), in float32
+    to parent_ends[parent_row[s]] (the states the chain reads, forward and backward). copy, own:
+    contiguous [S, H, size]; parent_ends: contiguous [rows, H, size]."""
     head = tl.program_id(0)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < size
@@ -540,25 +546,27 @@ def _chain_fwd_kernel(ends_ptr, copy_ptr, own_ptr, cum_end_ptr, slot_segment_ptr
             decay = tl.exp(
                 tl.load(cum_end_ptr + tl.load(slot_segment_ptr + slot) * num_heads + head)
             )
-            value += decay * tl.load(
-                ends_ptr + (parent * num_heads + head) * size + offsets, mask=mask
-            )
-        tl.store(ends_ptr + here, value, mask=mask)
+            there = (tl.load(parent_row_ptr + parent) * num_heads + head) * size + offsets
+            value += decay * tl.load(parent_ends_ptr + there, mask=mask)
         tl.store(copy_ptr + here, value.to(copy_ptr.dtype.element_ty), mask=mask)
-        # A later slot reads ends[slot] back, and the compiler may map an element of that load
-        # to another thread than the store's (it lays out the float32 and bf16 accesses apart).
+        row = tl.load(parent_row_ptr + slot)
+        if row >= 0:
+            tl.store(parent_ends_ptr + (row * num_heads + head) * size + offsets, value, mask=mask)
+        # A later slot reads parent_ends[row] back, and the compiler may map an element of that
+        # load to another thread than the store's (it lays out the float32 and bf16 accesses
+        # apart).
         tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=("num_slots",))
-def _chain_bwd_kernel(grad_ptr, copy_ptr, grad_decay_partial_ptr, ends_ptr, cum_end_ptr,
-                      slot_segment_ptr, slot_parent_ptr, num_slots, num_heads, size,
-                      BLOCK: tl.constexpr):  # fmt: skip
+def _chain_bwd_kernel(grad_ptr, copy_ptr, grad_decay_partial_ptr, parent_ends_ptr, cum_end_ptr,
+                      slot_segment_ptr, slot_parent_ptr, parent_row_ptr, num_slots, num_heads,
+                      size, BLOCK: tl.constexpr):  # fmt: skip
     """Program (head, chunk), slots in decreasing order (children first), in place: grad holds
     d ends and becomes d own: when slot s is reached, its children have added their parts, so
     grad[s] is final; it is rounded to copy's dtype in copy, s passes exp(cum_end) * grad[s] to
     its parent, and grad_decay_partial[s, head, chunk] = sum over the chunk of grad[s] *
-    ends[parent(s)]."""
+    end[parent(s)] (the parent's float32 end state, parent_ends[parent_row[parent(s)]])."""
     head = tl.program_id(0)
     chunk = tl.program_id(1)
     offsets = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -572,10 +580,13 @@ def _chain_bwd_kernel(grad_ptr, copy_ptr, grad_decay_partial_ptr, ends_ptr, cum_
         partial = 0.0
         if parent >= 0:
             there = (parent * num_heads + head) * size + offsets
+            parent_end = (tl.load(parent_row_ptr + parent) * num_heads + head) * size + offsets
             decay = tl.exp(
                 tl.load(cum_end_ptr + tl.load(slot_segment_ptr + slot) * num_heads + head)
             )
-            partial = tl.sum(grad * tl.load(ends_ptr + there, mask=mask, other=0.0), axis=0)
+            partial = tl.sum(
+                grad * tl.load(parent_ends_ptr + parent_end, mask=mask, other=0.0), axis=0
+            )
             tl.store(
                 grad_ptr + there, tl.load(grad_ptr + there, mask=mask) + decay * grad, mask=mask
             )
@@ -776,39 +787,49 @@ def segment_decay_backward(grad_cum, grad_weight, chain_partial, segment_slot, d
     return grad_A_partial.sum(0)
 
 
-def chain_states(own, cum_end, slot_segment, slot_parent, *, copy_dtype):
-    """(ends [S, H, P, N] float32, the same rounded to ``copy_dtype``): ``ends[s] = own[s] +
-    exp(cum_end[segment(s)]) * ends[parent(s)]`` (parents first; a root's end state is its own),
-    in one kernel launch for all internal segments.
+def chain_states(own, cum_end, slot_segment, slot_parent, parent_row, num_parent_rows, *,
+                 copy_dtype):  # fmt: skip
+    """The end states ``end[s] = own[s] + exp(cum_end[segment(s)]) * end[parent(s)]`` (parents
+    first; a root's end state is its own) of all internal segments, in one kernel launch:
+    (copy [S, H, P, N] in ``copy_dtype``, every slot's end state rounded once; parent_ends
+    [num_parent_rows, H, P, N] float32, the end states of the slots that are another's parent, by
+    parent_row). Those are what the token products and the chain's backward read: the float32
+    end states of the other slots are never written.
 
     Inputs: own [S, H, P, N] float32 contiguous, cum_end [segments, H] float32, slot_segment [S]
-    int64 (the segment of each slot), slot_parent [S] int64 (the parent's slot, -1 for a root).
+    int64 (the segment of each slot), slot_parent [S] int64 (the parent's slot, -1 for a root),
+    parent_row [S] int64 (a parent's row in parent_ends, -1 for a slot that is no parent:
+    ``TreeScanPlan.chain_parent_row``).
     """
     slots, heads = own.shape[:2]
     size = own[0, 0].numel()
-    ends = torch.empty_like(own)
     copy = torch.empty_like(own, dtype=copy_dtype)
+    parent_ends = own.new_empty(num_parent_rows, *own.shape[1:])
+    # Without parents no program touches parent_ends: any tensor stands in for its empty pointer.
     _chain_fwd_kernel[(heads, triton.cdiv(size, SUM_BLOCK))](
-        ends, copy, own, cum_end, slot_segment, slot_parent, slots, heads, size, BLOCK=SUM_BLOCK
-    )
-    return ends, copy
+        copy, parent_ends if num_parent_rows else own, own, cum_end, slot_segment, slot_parent,
+        parent_row, slots, heads, size, BLOCK=SUM_BLOCK,
+    )  # fmt: skip
+    return copy, parent_ends
 
 
-def chain_states_backward(grad_ends, ends, cum_end, slot_segment, slot_parent, *, copy_dtype):
-    """Gradients of :func:`chain_states` given d ends and its output ends (float32): (d own
-    [S, H, P, N] in ``copy_dtype``, partials [S, H, chunks] float32). d own is summed in float32 in
-    grad_ends, which this overwrites (contiguous, not read by anyone else), then rounded once.
-    partials[s, h, c] = sum over chunk c of the state of d own[s] * ends[parent(s)]:
-    d cum_end[segment(s)] = exp(cum_end[segment(s)]) * their sum over chunks, which
-    :func:`segment_decay_backward` adds where it needs it (no [segments, H] tensor is built)."""
-    slots, heads = ends.shape[:2]
-    size = ends[0, 0].numel()
+def chain_states_backward(grad_ends, parent_ends, cum_end, slot_segment, slot_parent, parent_row,
+                          *, copy_dtype):  # fmt: skip
+    """Gradients of :func:`chain_states` given d ends and its float32 parents' end states
+    parent_ends: (d own [S, H, P, N] in ``copy_dtype``, partials [S, H, chunks] float32). d own is
+    summed in float32 in grad_ends, which this overwrites (contiguous, not read by anyone else),
+    then rounded once. partials[s, h, c] = sum over chunk c of the state of d own[s] *
+    end[parent(s)]: d cum_end[segment(s)] = exp(cum_end[segment(s)]) * their sum over chunks,
+    which :func:`segment_decay_backward` adds where it needs it (no [segments, H] tensor is
+    built)."""
+    slots, heads = grad_ends.shape[:2]
+    size = grad_ends[0, 0].numel()
     chunks = triton.cdiv(size, SUM_BLOCK)
     copy = torch.empty_like(grad_ends, dtype=copy_dtype)
-    grad_decay = torch.empty(slots, heads, chunks, device=ends.device)
-    _chain_bwd_kernel[(heads, chunks)](
-        grad_ends, copy, grad_decay, ends, cum_end, slot_segment, slot_parent,
-        slots, heads, size, BLOCK=SUM_BLOCK,
+    grad_decay = torch.empty(slots, heads, chunks, device=grad_ends.device)
+    _chain_bwd_kernel[(heads, chunks)](  # parent_ends as in chain_states
+        grad_ends, copy, grad_decay, parent_ends if parent_ends.numel() else grad_ends, cum_end,
+        slot_segment, slot_parent, parent_row, slots, heads, size, BLOCK=SUM_BLOCK,
     )  # fmt: skip
     return copy, grad_decay
 
@@ -825,8 +846,9 @@ class ForkedStates:
 
     Attributes: segments, the row's segments and their pieces (the segment walk's table); own
     and children, the token tables of every internal segment's own tokens and of its children's
-    tokens (slot = its index among the internal segments); slot_segment, slot_parent [S] int64 and
-    segment_chain_slot, the chain's tables (``TreeScanPlan``).
+    tokens (slot = its index among the internal segments); slot_segment, slot_parent [S] int64,
+    segment_chain_slot, chain_parent_row and num_chain_parents, the chain's tables
+    (``TreeScanPlan``).
 
     Every row runs the chain, also a row whose internal segments have no parent (there it only
     rounds the states): one path and one set of kernel variants for every row, which the mixer's
@@ -839,6 +861,8 @@ class ForkedStates:
     slot_segment: torch.Tensor
     slot_parent: torch.Tensor
     segment_chain_slot: torch.Tensor
+    chain_parent_row: torch.Tensor
+    num_chain_parents: int
 
     @classmethod
     def of(cls, forest: ForestTensors, plan) -> "ForkedStates":
@@ -854,6 +878,8 @@ class ForkedStates:
             slot_segment=plan.slot_segment,
             slot_parent=plan.slot_parent,
             segment_chain_slot=plan.segment_chain_slot,
+            chain_parent_row=plan.chain_parent_row,
+            num_chain_parents=plan.num_chain_parents,
         )
 
     def forward(self, y, x, z, dt, A, B, C):
@@ -862,17 +888,21 @@ class ForkedStates:
         the parents' end states from (2).
 
         Inputs: x, z [T, H, P] (z may be None), dt [T, H] float32 (processed), A [H] float32,
-        B, C [T, G, N]. Returns what :meth:`backward` reads: the end states [S, H, P, N] float32.
-        The [T, H] log-decays and input weights are not kept: backward recomputes them, the same
-        bits, with one launch of the segment walk, rather than keep 8 bytes per token and head.
+        B, C [T, G, N]. Returns what :meth:`backward` reads: the end states [S, H, P, N] in C's
+        dtype (what the products multiply) and, in float32, those of the segments that are
+        another internal segment's parent (what the chain's backward reads), [num_chain_parents,
+        H, P, N]. The [T, H] log-decays and input weights are not kept: backward recomputes them,
+        the same bits, with one launch of the segment walk, rather than keep 8 bytes per token
+        and head.
         """
         cum, weight, cum_end = segment_decay(dt, A, self.segments)
         own = state_sum(x, None, B, weight, self.own, exp_weight=False)
-        ends, product_ends = chain_states(
-            own, cum_end, self.slot_segment, self.slot_parent, copy_dtype=C.dtype
-        )
-        token_product(z, C, cum, product_ends, self.children, exp_weight=True, out=y)
-        return (ends,)
+        ends, parent_ends = chain_states(
+            own, cum_end, self.slot_segment, self.slot_parent, self.chain_parent_row,
+            self.num_chain_parents, copy_dtype=C.dtype,
+        )  # fmt: skip
+        token_product(z, C, cum, ends, self.children, exp_weight=True, out=y)
+        return ends, parent_ends
 
     def backward(self, grad_y, saved, x, z, dt, A, B, C, *, grad_x, grad_dt, grad_B, grad_C,
                  grad_z):  # fmt: skip
@@ -880,17 +910,18 @@ class ForkedStates:
         grad_dt [T, H] float32, grad_B, grad_C [T, G, N] (grad_z None without z). grad_y: the
         corrected output's gradient; saved: what :meth:`forward` returned. Returns d A [H]
         float32, to be added to the scan's."""
-        (ends,) = saved
+        ends, parent_ends = saved
         cum, weight, cum_end = segment_decay(dt, A, self.segments)
         grad_cum = token_grad(
             grad_y, z, C, cum, ends, self.children, exp_weight=True, grad_C=grad_C, grad_z=grad_z
         )
         grad_own, chain_partial = chain_states_backward(
             state_sum(grad_y, z, C, cum, self.children, exp_weight=True),
-            ends,
+            parent_ends,
             cum_end,
             self.slot_segment,
             self.slot_parent,
+            self.chain_parent_row,
             copy_dtype=B.dtype,
         )
         # dx (the own states' token product) and dB, dw (their token gradient) in one pass.

@@ -220,6 +220,13 @@ def test_plan_lists_internal_segments_parents_first(forest_sequences):
     assert plan.segment_chain_slot.tolist() == [
         chained.get(segment, -1) for segment in range(len(parents))
     ]
+    # The chain's parents, numbered in slot order: the rows of their kept float32 end states.
+    chain_parents = sorted({parent_slot for *_, parent_slot in plan.internal if parent_slot >= 0})
+    assert plan.num_chain_parents == len(chain_parents) >= 1
+    assert plan.chain_parent_row.tolist() == [
+        chain_parents.index(slot) if slot in chain_parents else -1
+        for slot in range(len(plan.internal))
+    ]
     child_tokens = np.flatnonzero(parents[layout.token_segment] >= 0)
     assert np.array_equal(np.sort(plan.all_child_tokens.numpy()), child_tokens)
     assert plan.seq_idx.dtype == torch.int32 and plan.seq_idx.shape == (1, layout.num_tokens)

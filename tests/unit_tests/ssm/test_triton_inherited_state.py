@@ -127,9 +127,17 @@ def compare(device: str, dtype: torch.dtype, tolerance: float, small_blocks: boo
                 out = tree_scan._ForkedChunkScan.apply(
                     *args.values(), row, CHUNK, torch_scan_functions(), {}
                 )
-                # The fork's [T, H] log-decays and input weights are recomputed in backward.
+                # The fork's [T, H] log-decays and input weights are recomputed in backward; of
+                # its end states it keeps every slot's in the input dtype and the float32 ones of
+                # the slots that are another's parent in the chain.
                 kept = [tuple(t.shape) for t in out.grad_fn.saved_tensors if t is not None]
                 assert (length, HEADS) not in kept, kept
+                plan = tree_scan.TreeScanPlan.of(row)
+                assert plan.num_chain_parents == (1 if row_kind == "depth-3" else 0)
+                assert [shape for shape in kept if shape[1:] == (HEADS, HEAD_DIM, STATE)] == [
+                    (len(plan.internal), HEADS, HEAD_DIM, STATE),
+                    (plan.num_chain_parents, HEADS, HEAD_DIM, STATE),
+                ], kept
             else:
                 out = tree_scan.tree_ssd_scan(chunk_size=CHUNK, forest=row, backend="torch", **args)
             grads = torch.autograd.grad((out.float() * weight).sum(), differentiable)
@@ -264,8 +272,9 @@ def _bits(tensor):
 def test_states_rounded_by_their_producers_and_fused_pass_give_the_separate_bits():
     """The states reach the products in bf16 from the parent chain, forward and backward, and
     the own states' backward runs its token product and token gradient as one pass: the chain's
-    copies are the bits of its float32 results rounded by torch, and the one pass gives the bits
-    of the two kernels run one after the other."""
+    copies are the bits of its float32 results rounded by torch, the float32 states it keeps of
+    the parents are those results, and the one pass gives the bits of the two kernels run one
+    after the other."""
     from megatron.shared_prefix.ssm import triton_inherited_state as kernels
 
     row = forest("cuda")
@@ -280,17 +289,24 @@ def test_states_rounded_by_their_producers_and_fused_pass_give_the_separate_bits
     _, weight, cum_end = kernels.segment_decay(dt, A, fork.segments)
 
     own = kernels.state_sum(x, None, B, weight, fork.own, exp_weight=False)
-    ends, ends_copy = kernels.chain_states(
-        own, cum_end, fork.slot_segment, fork.slot_parent, copy_dtype=dtype
+    tables = fork.slot_segment, fork.slot_parent, fork.chain_parent_row
+    # float32 copies: every slot's end state; bf16: rounded by the chain.
+    ends, parent_ends = kernels.chain_states(
+        own, cum_end, *tables, fork.num_chain_parents, copy_dtype=torch.float32
+    )
+    ends_copy, parent_ends_again = kernels.chain_states(
+        own, cum_end, *tables, fork.num_chain_parents, copy_dtype=dtype
     )
     assert torch.equal(_bits(ends_copy), _bits(ends.to(dtype)))
+    parents = sorted({parent for *_, parent in plan.internal if parent >= 0})
+    assert len(parents) == fork.num_chain_parents == 1
+    assert torch.equal(parent_ends, ends[parents]) and torch.equal(parent_ends_again, parent_ends)
     grad_ends = torch.randn_like(ends)
     grad_own, _ = kernels.chain_states_backward(
-        grad_ends.clone(), ends, cum_end, fork.slot_segment, fork.slot_parent,
-        copy_dtype=torch.float32,
-    )  # fmt: skip
+        grad_ends.clone(), parent_ends, cum_end, *tables, copy_dtype=torch.float32
+    )
     grad_own_copy, _ = kernels.chain_states_backward(
-        grad_ends.clone(), ends, cum_end, fork.slot_segment, fork.slot_parent, copy_dtype=dtype
+        grad_ends.clone(), parent_ends, cum_end, *tables, copy_dtype=dtype
     )
     assert grad_own.dtype == torch.float32 and torch.equal(
         _bits(grad_own_copy), _bits(grad_own.to(dtype))

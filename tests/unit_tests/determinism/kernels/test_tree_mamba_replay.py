@@ -349,7 +349,7 @@ def test_state_chain_replay():
     forest = FORESTS["depth-3"]("cuda")
     plan = TreeScanPlan.of(forest)
     slots, heads, head_dim, state = len(plan.internal), 8, 64, 128
-    assert (plan.segment_chain_slot >= 0).any() and slots >= 3
+    assert (plan.segment_chain_slot >= 0).any() and slots >= 3 and plan.num_chain_parents >= 1
 
     def make_inputs():
         own = torch.randn(slots, heads, head_dim, state, device="cuda")
@@ -357,11 +357,13 @@ def test_state_chain_replay():
         return own, cum_end, torch.randn_like(own)
 
     def fn(own, cum_end, grad_ends):
-        tables = (plan.slot_segment, plan.slot_parent)
-        ends, copy = chain_states(own, cum_end, *tables, copy_dtype=torch.bfloat16)
-        grads = chain_states_backward(
-            grad_ends.clone(), ends, cum_end, *tables, copy_dtype=torch.bfloat16
+        tables = (plan.slot_segment, plan.slot_parent, plan.chain_parent_row)
+        copy, parent_ends = chain_states(
+            own, cum_end, *tables, plan.num_chain_parents, copy_dtype=torch.bfloat16
         )
-        return ends, copy, *grads
+        grads = chain_states_backward(
+            grad_ends.clone(), parent_ends, cum_end, *tables, copy_dtype=torch.bfloat16
+        )
+        return copy, parent_ends, *grads
 
     assert_bitwise_replay(fn, make_inputs, runs=20, concurrent_stream_work=True)
