@@ -65,6 +65,7 @@ own backward kernels, the float accumulations left (cumulative sums, matrix prod
 reproducible under ``torch.use_deterministic_algorithms(True)``.
 """
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -137,17 +138,24 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
     Triton kernels of ssm/triton_inherited_state.py, as one autograd function.
 
     Forward: mamba_ssm's forward function with ``seq_idx = token_segment`` gives y0 (gated by
-    silu(z) when z is given); then ``ForkedStates.forward`` adds the inherited part to y0 in place
+    silu(z) when z is given); then ``ForkedStates.correct`` adds the inherited part to y0 in place
     at every child token. Backward: mamba_ssm's backward function with the corrected output's
-    gradient (y0's, since the correction adds to it), then ``ForkedStates.backward`` adds the
-    fork's gradients into the scan's gradients of x, dt, A, B, C and z, in place, at the tokens it
-    touches.
+    gradient (y0's, since the correction adds to it), then ``ForkedStates.backward_tokens`` adds
+    the fork's gradients into the scan's gradients of x, dt, A, B, C and z, in place, at the
+    tokens it touches.
 
     Why one function: as separate autograd functions, every input that both reach (x, dt, B, C,
     z) would get from the fork a zero-filled tensor of its size, written at some tokens, that
     autograd then adds to the scan's; and the correction could not write into the scan's output
     (the stock function keeps it for backward), so it would be a corrected copy. Those fills,
     copies and sums cost about as much as the fork's arithmetic (docs/benchmarks.md).
+
+    The fork's work that reads nothing of the scan's results (the end states in the forward,
+    ``ForkedStates.states``; their gradients in the backward, ``ForkedStates.backward_states``)
+    is queued first, on a stream of its own (:func:`_fork_stream`), and runs beside mamba_ssm's
+    kernels, some of which leave most of the GPU idle; the current stream waits for it only
+    before the correction and the token gradients. Every kernel computes what it did on one
+    stream, so the bits do not depend on how the two streams interleave.
 
     Kept for backward: what mamba_ssm's own ``MambaChunkScanCombinedFn`` keeps, except the
     output when there is no gate (its backward reads it only for the gate; with z the ungated
@@ -168,18 +176,20 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
         scan_forward, ctx.scan_backward = functions
         ctx.chunk_size, ctx.scan_kwargs = chunk_size, scan_kwargs
         plan = TreeScanPlan.of(forest)
-        y, y_ungated = scan_forward(
-            x, dt, A, B, C, chunk_size, D=D, z=z, seq_idx=plan.seq_idx, **scan_kwargs
-        )[:2]
         ctx.fork, fork_saved = None, ()
         if plan.internal:
             # pylint: disable-next=import-outside-toplevel
             from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
 
             ctx.fork = ForkedStates.of(forest, plan)
-            fork_saved = ctx.fork.forward(
-                y[0], x[0], None if z is None else z[0], dt[0], A, B[0], C[0]
-            )
+            with _fork_stream(x.device):
+                cum, *fork_saved = ctx.fork.states(x[0], dt[0], A, B[0], C.dtype)
+        y, y_ungated = scan_forward(
+            x, dt, A, B, C, chunk_size, D=D, z=z, seq_idx=plan.seq_idx, **scan_kwargs
+        )[:2]
+        if ctx.fork is not None:
+            _join_fork_stream(x.device)
+            ctx.fork.correct(y[0], None if z is None else z[0], C[0], cum, fork_saved[0])
         ctx.save_for_backward(x, dt, A, B, C, D, z, plan.seq_idx, y_ungated, *fork_saved)
         return y
 
@@ -187,6 +197,12 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):  # pylint: disable=arguments-differ
         x, dt, A, B, C, D, z, seq_idx, y_ungated, *fork_saved = ctx.saved_tensors
+        z0 = None if z is None else z[0]
+        if ctx.fork is not None:
+            with _fork_stream(x.device):
+                fork_states = ctx.fork.backward_states(
+                    grad_y[0], fork_saved, z0, dt[0], A, C[0], B.dtype
+                )
         # The output argument: with z, the ungated output; without, only its shape (x's) is read.
         grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, *_ = ctx.scan_backward(
             grad_y,
@@ -203,11 +219,13 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
             **ctx.scan_kwargs,
         )
         if ctx.fork is not None:
-            fork_grad_A = ctx.fork.backward(
+            _join_fork_stream(x.device)
+            fork_grad_A = ctx.fork.backward_tokens(
                 grad_y[0],
                 fork_saved,
+                fork_states,
                 x[0],
-                None if z is None else z[0],
+                z0,
                 dt[0],
                 A,
                 B[0],
@@ -220,6 +238,42 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
             )
             grad_A = grad_A + fork_grad_A.to(grad_A.dtype)
         return grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, None, None, None, None
+
+
+_FORK_STREAMS: dict = {}
+
+
+@contextlib.contextmanager
+def _fork_stream(device: torch.device):
+    """Run the block on the device's fork stream, after all work queued so far on the current
+    stream: the forked states' work that reads no output of the packed scan (the end states in the
+    forward, their gradients in the backward) then runs next to mamba_ssm's kernels, filling the
+    GPU where those leave it idle (their state passing runs one program per head and dim block).
+
+    Memory: the block's tensors are allocated on the fork stream. Each one that the current stream
+    reads afterwards (after :func:`_join_fork_stream`) may be freed there while a kernel reading it
+    is still queued; the allocator may then hand it to a later allocation on the fork stream, but
+    every later use of the fork stream starts here, after the current stream's queued work, so no
+    kernel writes it before those reads are done.
+
+    Off CUDA (the kernels under Triton's interpreter, in the tests) the block runs as it is.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    main = torch.cuda.current_stream(device)
+    stream = _FORK_STREAMS.get(device)
+    if stream is None:
+        stream = _FORK_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(main)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _join_fork_stream(device: torch.device) -> None:
+    """Make the current stream wait for the work queued on the device's fork stream."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).wait_stream(_FORK_STREAMS[device])
 
 
 def packed_chunk_scan(backend: str, device: torch.device):

@@ -836,13 +836,20 @@ def chain_states_backward(grad_ends, parent_ends, cum_end, slot_segment, slot_pa
 
 @dataclasses.dataclass(frozen=True)
 class ForkedStates:
-    """The forked states of one forest row, (1)-(2) of tree_scan.py, as a forward that corrects
-    the packed scan's output in place and a backward that adds into the packed scan's gradients.
+    """The forked states of one forest row, (1)-(2) of tree_scan.py, in four steps around the
+    packed scan: :meth:`states` and :meth:`correct` (forward: the correction written into the
+    scan's output in place), :meth:`backward_states` and :meth:`backward_tokens` (backward: the
+    fork's gradients added into the scan's).
 
-    tree_scan's ``_ForkedChunkScan`` runs both around mamba_ssm's scan in one autograd function:
+    tree_scan's ``_ForkedChunkScan`` runs them around mamba_ssm's scan in one autograd function:
     the gradients of x, dt, B, C and z then get the fork's part added at the tokens it touches,
     instead of as zero-filled activation-sized tensors that autograd sums with the scan's, and
-    the corrected output is the scan's own, not a copy.
+    the corrected output is the scan's own, not a copy. :meth:`states` and
+    :meth:`backward_states` read nothing the scan computes, so they run on a stream of their own
+    beside it.
+
+    Shapes: x, z [T, H, P] (z None without the gate), dt [T, H] float32 (processed), A [H]
+    float32, B, C [T, G, N]; their gradients alike.
 
     Attributes: segments, the row's segments and their pieces (the segment walk's table); own
     and children, the token tables of every internal segment's own tokens and of its children's
@@ -882,39 +889,38 @@ class ForkedStates:
             num_chain_parents=plan.num_chain_parents,
         )
 
-    def forward(self, y, x, z, dt, A, B, C):
-        """Add ``gate * exp(cum) * (C . end state of the parent)`` to y ([T, H, P], the packed
-        scan's output, gated by silu(z) when z is given) in place at every child token, (1), with
-        the parents' end states from (2).
+    def states(self, x, dt, A, B, dtype):
+        """The end states of every internal segment, (2), from x, dt, A and B.
 
-        Inputs: x, z [T, H, P] (z may be None), dt [T, H] float32 (processed), A [H] float32,
-        B, C [T, G, N]. Returns what :meth:`backward` reads: the end states [S, H, P, N] in C's
-        dtype (what the products multiply) and, in float32, those of the segments that are
-        another internal segment's parent (what the chain's backward reads), [num_chain_parents,
-        H, P, N]. The [T, H] log-decays and input weights are not kept: backward recomputes them,
-        the same bits, with one launch of the segment walk, rather than keep 8 bytes per token
-        and head.
+        Returns (cum [T, H] float32 log-decays, what :meth:`correct` reads; the end states
+        [S, H, P, N] in ``dtype``, what the products multiply; in float32, those of the segments
+        that are another internal segment's parent, [num_chain_parents, H, P, N], what the
+        chain's backward reads). The [T, H] log-decays and input weights are not kept for
+        backward: it recomputes them, the same bits, with one launch of the segment walk, rather
+        than keep 8 bytes per token and head.
         """
         cum, weight, cum_end = segment_decay(dt, A, self.segments)
         own = state_sum(x, None, B, weight, self.own, exp_weight=False)
         ends, parent_ends = chain_states(
             own, cum_end, self.slot_segment, self.slot_parent, self.chain_parent_row,
-            self.num_chain_parents, copy_dtype=C.dtype,
+            self.num_chain_parents, copy_dtype=dtype,
         )  # fmt: skip
-        token_product(z, C, cum, ends, self.children, exp_weight=True, out=y)
-        return ends, parent_ends
+        return cum, ends, parent_ends
 
-    def backward(self, grad_y, saved, x, z, dt, A, B, C, *, grad_x, grad_dt, grad_B, grad_C,
-                 grad_z):  # fmt: skip
-        """Add the fork's gradients to the packed scan's, in place: grad_x, grad_z [T, H, P],
-        grad_dt [T, H] float32, grad_B, grad_C [T, G, N] (grad_z None without z). grad_y: the
-        corrected output's gradient; saved: what :meth:`forward` returned. Returns d A [H]
-        float32, to be added to the scan's."""
-        ends, parent_ends = saved
+    def correct(self, y, z, C, cum, ends):
+        """(1): ``y += gate * exp(cum) * (C . ends[parent])`` in place at every child token of
+        y [T, H, P], the packed scan's output (gated by silu(z) when z is given); cum and ends as
+        :meth:`states` returned them."""
+        token_product(z, C, cum, ends, self.children, exp_weight=True, out=y)
+
+    def backward_states(self, grad_y, saved, z, dt, A, C, dtype):
+        """The gradients of the end states, from the children's tokens back through the chain;
+        grad_y: the corrected output's gradient, saved: (end states, parents' float32 end
+        states) as :meth:`states` returned them. Returns what :meth:`backward_tokens` reads: (cum,
+        weight [T, H] float32, the own states' gradients [S, H, P, N] in ``dtype``, the chain's
+        [S, H] decay partials)."""
+        _, parent_ends = saved
         cum, weight, cum_end = segment_decay(dt, A, self.segments)
-        grad_cum = token_grad(
-            grad_y, z, C, cum, ends, self.children, exp_weight=True, grad_C=grad_C, grad_z=grad_z
-        )
         grad_own, chain_partial = chain_states_backward(
             state_sum(grad_y, z, C, cum, self.children, exp_weight=True),
             parent_ends,
@@ -922,7 +928,19 @@ class ForkedStates:
             self.slot_segment,
             self.slot_parent,
             self.chain_parent_row,
-            copy_dtype=B.dtype,
+            copy_dtype=dtype,
+        )
+        return cum, weight, grad_own, chain_partial
+
+    def backward_tokens(self, grad_y, saved, states, x, z, dt, A, B, C, *, grad_x, grad_dt,
+                        grad_B, grad_C, grad_z):  # fmt: skip
+        """Add the fork's token gradients to the packed scan's, in place: grad_x, grad_z,
+        grad_dt, grad_B, grad_C (grad_z None without z); ``states``: what
+        :meth:`backward_states` returned. Returns d A [H] float32, to be added to the scan's."""
+        ends, _ = saved
+        cum, weight, grad_own, chain_partial = states
+        grad_cum = token_grad(
+            grad_y, z, C, cum, ends, self.children, exp_weight=True, grad_C=grad_C, grad_z=grad_z
         )
         # dx (the own states' token product) and dB, dw (their token gradient) in one pass.
         grad_weight = token_grad(

@@ -13,6 +13,7 @@ Forests: random (depth 1..4, skewed segment lengths, one-token segments, segment
 lengths are not multiples of the chunk size), a hand-made chain of short segments, padded rows.
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 import torch
 from forest_rows import EXACT, SHORT_CHAIN, make_forest, rel_err
 
-from megatron.shared_prefix.ssm import reference, torch_ssd
+from megatron.shared_prefix.ssm import reference, torch_ssd, tree_scan
 from megatron.shared_prefix.ssm.tree_scan import TreeScanPlan, tree_ssd_scan, triton_chunk_scan
 
 
@@ -340,6 +341,71 @@ def test_triton_backend_matches_torch_backend(forest_sequences, dtype, options):
         assert rel_err(actual_grads[name], want) <= GPU_TOL[dtype], name
 
 
+# Cycles of the sleep kernel queued on the fork stream: milliseconds on any current GPU, far longer
+# than the test row's scan.
+FORK_STREAM_DELAY_CYCLES = 20_000_000
+
+
+@pytest.mark.gpu
+@needs_triton_scan
+@pytest.mark.parametrize("gate", [True, False], ids=["z", "no-z"])
+def test_fork_stream_work_is_joined_before_the_scan_reads_it(forest_sequences, monkeypatch, gate):
+    """The forked states' work that runs beside the packed scan (the end states in the forward,
+    their gradients in the backward, on the fork stream) is done before the current stream's
+    correction and token gradients start, however late the fork stream runs (here behind a sleep
+    kernel), and the results are the bits of running everything on one stream."""
+    _, layout, forest = gpu_forest(forest_sequences, seed=3)
+    inputs = gpu_inputs(layout.num_tokens, torch.bfloat16, D="hp", z=gate)
+    probe = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(5)).cuda()
+
+    def run():
+        out = tree_ssd_scan(chunk_size=64, forest=forest, backend="triton", **inputs)
+        return [out.detach(), *grads_of(out.float(), inputs, probe).values()]
+
+    with monkeypatch.context() as one_stream:
+        one_stream.setattr(tree_scan, "_fork_stream", lambda device: contextlib.nullcontext())
+        one_stream.setattr(tree_scan, "_join_fork_stream", lambda device: None)
+        expected = run()
+
+    from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
+
+    def timed():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    fork_started, fork_slept, readers_started = [], [], []
+    fork_stream = tree_scan._fork_stream  # pylint: disable=protected-access
+
+    @contextlib.contextmanager
+    def late_fork_stream(device):
+        with fork_stream(device):
+            fork_started.append(timed())
+            torch.cuda._sleep(FORK_STREAM_DELAY_CYCLES)  # pylint: disable=protected-access
+            fork_slept.append(timed())
+            yield
+
+    def starts_reading(method):
+        def wrapped(*args, **kwargs):
+            readers_started.append(timed())
+            return method(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(tree_scan, "_fork_stream", late_fork_stream)
+    monkeypatch.setattr(ForkedStates, "correct", starts_reading(ForkedStates.correct))
+    monkeypatch.setattr(
+        ForkedStates, "backward_tokens", starts_reading(ForkedStates.backward_tokens)
+    )
+    actual = run()
+    torch.cuda.synchronize()
+    assert len(fork_started) == len(readers_started) == 2  # forward and backward
+    for started, slept, reader in zip(fork_started, fork_slept, readers_started):
+        assert started.elapsed_time(reader) >= started.elapsed_time(slept) > 0
+    for want, got in zip(expected, actual, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @needs_triton_scan
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -424,8 +490,6 @@ def test_forked_scan_of_a_row_of_roots_is_mamba_ssm_scan(forest_sequences, dtype
     forward and backward functions alone: outputs and every gradient bitwise those of mamba_ssm's
     ``mamba_chunk_scan_combined``; without a gate autograd keeps at least the output's size less
     (the stock function keeps its output), with one no more (both keep the ungated output)."""
-    from megatron.shared_prefix.ssm import tree_scan
-
     sequences = forest_sequences(seed=1, depth=3, max_segment=120)
     roots = [np.concatenate([[10**6 + k], s]) for k, s in enumerate(sequences)]
     layout, forest = make_forest(roots, pad_multiple=64, device="cuda")

@@ -169,8 +169,10 @@ ENTRIES = [
             "seq_idx = segment, then the forked-state correction (on CPU: float64 cumsum, "
             "per-parent einsums, a custom autograd function writing each child token once; on "
             "CUDA: mamba_ssm's forward and backward functions and the Triton fork in one autograd "
-            "function, _ForkedChunkScan). CUDA replay needs "
-            "deterministic mode (mamba_ssm's backward uses atomics). The tensor- and "
+            "function, _ForkedChunkScan; the fork's end states and their gradients run on a "
+            "stream of their own beside the scan, replayed also with that stream started late). "
+            "CUDA replay needs deterministic mode (mamba_ssm's backward uses atomics). The "
+            "tensor- and "
             "sequence-parallel mixer is replayed in the multi-process gloo jobs (tp2_sp cases)."
         ),
     ),
