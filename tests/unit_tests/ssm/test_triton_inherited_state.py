@@ -17,8 +17,10 @@ forward and backward pair with mamba_ssm's signatures), so the difference is the
   passing) and bf16 (states and weighted inputs rounded to bf16 before the product, as mamba_ssm
   does).
 
-The state sum alone (``state_sum_error``) is also checked against a float64 einsum over each
-parent's children, with and without the gate, log and linear weights, interpreted and compiled.
+The state sum alone (``state_sum_error``), and the token product and token gradient alone
+(``token_kernels_error``, float32 outputs: no rounding to the input dtype hides their error), are
+also checked against float64 einsums over each parent's children, with and without the gate, log
+and linear weights, interpreted and compiled.
 """
 
 import itertools
@@ -190,6 +192,92 @@ def test_interpreted_state_sum_matches_einsum():
     assert "state sum error" in output
 
 
+def token_kernels_error(device: str, dtype: torch.dtype) -> dict:
+    """Largest relative error of ``token_product`` and ``token_grad`` (every output: the product,
+    dC, dz, dw, the fused pass's product) against float64 einsums over each parent's children,
+    log and linear weights, without and with the gate (keys "ungated", "gated"). Inputs in
+    ``dtype``, outputs float32 and zero before the call, so the error is the kernels' own: their
+    float32 sums (the products in TF32 for float32 inputs) and, with the gate, the gated
+    gradient's rounding to ``dtype`` before its product with the states (dC, dw)."""
+    from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+        triton_inherited_state as kernels,
+    )
+
+    row = forest(device)
+    plan = tree_scan.TreeScanPlan.of(row)
+    tables = kernels.ForkedStates.of(row, plan).children
+    torch.manual_seed(2)
+    length, per_group = row.num_tokens, HEADS // GROUPS
+    v, z = (torch.randn(length, HEADS, HEAD_DIM, device=device).to(dtype) for _ in range(2))
+    C = torch.randn(length, GROUPS, STATE, device=device).to(dtype)
+    w = -torch.rand(length, HEADS, device=device)
+    states = torch.randn(len(plan.internal), HEADS, HEAD_DIM, STATE, device=device).to(dtype)
+    slot = torch.full((length,), -1, dtype=torch.long)
+    for index, children in enumerate(plan.child_tokens):
+        slot[children.cpu()] = index
+    tokens = torch.nonzero(slot >= 0).squeeze(1)
+    S = states.double()[slot[tokens]]  # [K, H, P, N]
+    tokens = tokens.to(device)
+    C_h = C.double()[tokens].repeat_interleave(per_group, dim=1)  # [K, H, N]
+    q = torch.einsum("khn,khpn->khp", C_h, S)  # the product before weight and gate
+
+    def zeros(*shape):
+        return torch.zeros(*shape, device=device)
+
+    def error(actual, expected):
+        return float((actual.double()[tokens] - expected).abs().max() / expected.abs().max())
+
+    worst = {"ungated": 0.0, "gated": 0.0}
+    for gate, exp_weight in itertools.product((None, z), (True, False)):
+        key = "ungated" if gate is None else "gated"
+        f = w.double()[tokens]
+        f, df = (f.exp(), f.exp()) if exp_weight else (f, torch.ones_like(f))
+        z_k = None if gate is None else z.double()[tokens]
+        silu = 1 if gate is None else F.silu(z_k)
+        out = kernels.token_product(
+            gate, C, w, states, tables, exp_weight=exp_weight, out=zeros(length, HEADS, HEAD_DIM)
+        )
+        worst[key] = max(worst[key], error(out, f[..., None] * silu * q))
+        grad_C, grad_z, product = zeros(length, GROUPS, STATE), zeros(*v.shape), zeros(*v.shape)
+        grad_w = kernels.token_grad(
+            v, gate, C, w, states, tables, exp_weight=exp_weight, grad_C=grad_C,
+            grad_z=None if gate is None else grad_z, product_out=product if gate is None else None,
+        )  # fmt: skip
+        v_k = v.double()[tokens] * silu
+        weighted = (v_k * f[..., None]).unflatten(1, (GROUPS, per_group))
+        expected_C = torch.einsum("kgrp,kgrpn->kgn", weighted, S.unflatten(1, (GROUPS, -1)))
+        errors = [error(grad_C, expected_C), error(grad_w, df * (v_k * q).sum(-1))]
+        if gate is None:
+            errors.append(error(product, f[..., None] * q))
+        else:
+            sigmoid = torch.sigmoid(z_k)
+            d_silu = sigmoid * (1 + z_k * (1 - sigmoid))
+            errors.append(error(grad_z, v.double()[tokens] * f[..., None] * q * d_silu))
+        worst[key] = max(worst[key], *errors)
+    return worst
+
+
+def test_interpreted_token_kernels_match_einsum():
+    pytest.importorskip("triton")
+    assert "token kernels error" in run_interpreted(__file__, "token-kernels", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_token_kernels_match_einsum(dtype):
+    """fp32 inputs multiply in TF32. bf16 inputs with float32 outputs: without the gate the only
+    rounding left is the kernels' float32 sums; with it, the gated gradient's rounding to bf16
+    (relative 2**-9) before its product."""
+    pytest.importorskip("triton")
+    errors = token_kernels_error("cuda", dtype)
+    if dtype == torch.float32:
+        bounds = {"ungated": TOLERANCE[dtype], "gated": TOLERANCE[dtype]}
+    else:
+        bounds = {"ungated": 1e-4, "gated": 1e-2}
+    assert all(errors[key] <= bounds[key] for key in bounds), errors
+
+
 def test_token_blocks_cover_every_token_once_in_order():
     from megatron.shared_prefix.ssm.triton_inherited_state import TOKENS_PER_BLOCK, TokenBlocks
 
@@ -333,7 +421,11 @@ def test_states_rounded_by_their_producers_and_fused_pass_give_the_separate_bits
 
 if __name__ == "__main__":  # run by the interpreted tests above
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    if sys.argv[1] == "state-sum":
+    if sys.argv[1] == "token-kernels":
+        errors = token_kernels_error("cpu", torch.float32)
+        assert max(errors.values()) <= TOLERANCE["cpu"], errors
+        print("token kernels error", errors)
+    elif sys.argv[1] == "state-sum":
         error = state_sum_error("cpu", torch.float32)
         assert error <= TOLERANCE["cpu"], error
         print("state sum error", error)
