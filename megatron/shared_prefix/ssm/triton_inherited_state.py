@@ -143,6 +143,10 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs every dimension >= 16
 
 
+def _pow2_at_least_1(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
 @triton.jit
 def _block(blocks_ptr, tokens_ptr, block, num_blocks, BLOCK_T: tl.constexpr):
     """Token indices [BLOCK_T] (0 where masked), their mask and the parent slot of a block."""
@@ -398,27 +402,20 @@ def _segment_steps(dt_ptr, A, start, offset, limit, heads, head_mask, stride_dt_
 
 
 @triton.jit
-def _segment_sums(dt_ptr, grad_cum_ptr, A, start, length, first, heads, head_mask, num_heads,
-                  stride_dt_t, stride_dt_h, WITH_GRAD: tl.constexpr, SUM_T: tl.constexpr,
-                  BLOCK_H: tl.constexpr):  # fmt: skip
-    """Float64 sums over the segment, in blocks of SUM_T tokens: of a = dt * A (the segment's
-    total log-decay), of a before the piece's first token, and (WITH_GRAD) of grad_cum from it
-    on. Every program of a segment sums in the same order: the same total, bit for bit."""
+def _segment_sums(dt_ptr, A, start, length, first, heads, head_mask, stride_dt_t, stride_dt_h,
+                  SUM_T: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """Float64 sums over the segment, in blocks of SUM_T tokens, of a = dt * A (the segment's
+    total log-decay) and of a before the piece's first token. Every program of a segment sums in
+    the same order: the same total, bit for bit."""
     total = tl.zeros((BLOCK_H,), dtype=tl.float64)
     before = tl.zeros((BLOCK_H,), dtype=tl.float64)
-    grad_cum_from = tl.zeros((BLOCK_H,), dtype=tl.float64)
     for offset in range(0, length, SUM_T):
-        tokens, mask, _, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
-                                            stride_dt_t, stride_dt_h, SUM_T)  # fmt: skip
+        _, _, _, a = _segment_steps(dt_ptr, A, start, offset, length, heads, head_mask,
+                                    stride_dt_t, stride_dt_h, SUM_T)  # fmt: skip
         earlier = ((offset + tl.arange(0, SUM_T)) < first)[:, None]
         total += tl.sum(a, axis=0)
         before += tl.sum(tl.where(earlier, a, 0.0), axis=0)
-        if WITH_GRAD:
-            grad_cum = tl.load(
-                grad_cum_ptr + tokens[:, None] * num_heads + heads[None, :], mask=mask, other=0.0
-            )
-            grad_cum_from += tl.sum(tl.where(earlier, 0.0, grad_cum.to(tl.float64)), axis=0)
-    return total, before, grad_cum_from
+    return total, before
 
 
 @triton.jit(do_not_specialize=("num_pieces",))
@@ -434,9 +431,8 @@ def _segment_decay_fwd_kernel(
     segment, first, end, heads, head_mask, A, start, length = _piece_program(
         A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads, BLOCK_H
     )
-    total, running, _ = _segment_sums(dt_ptr, dt_ptr, A, start, length, first, heads, head_mask,
-                                      num_heads, stride_dt_t, stride_dt_h, False, SUM_T,
-                                      BLOCK_H)  # fmt: skip
+    total, running = _segment_sums(dt_ptr, A, start, length, first, heads, head_mask,
+                                   stride_dt_t, stride_dt_h, SUM_T, BLOCK_H)  # fmt: skip
     if first == 0:
         tl.store(cum_end_ptr + segment * num_heads + heads, total.to(tl.float32), mask=head_mask)
     for offset in range(first, end, BLOCK_T):
@@ -450,42 +446,84 @@ def _segment_decay_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=("num_pieces",))
+def _piece_grad_sums_kernel(
+    sums_ptr, grad_cum_ptr, grad_weight_ptr, dt_ptr, A_ptr, starts_ptr, lengths_ptr, pieces_ptr,
+    num_pieces, num_heads, stride_dt_t, stride_dt_h,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (piece, head block), the first pass of :func:`segment_decay_backward`: float64
+    sums over the piece's tokens t of a = dt * A, of d cum, and of d weight[t] * dt[t] *
+    exp(sum of a over the piece's tokens after t), to sums [3, pieces, H] (contiguous float64).
+    The last is the piece's part of sum_t d weight * weight but for exp(sum of a over the
+    segment's tokens after the piece), which the second pass multiplies in; every exponent is
+    <= 0 (a <= 0), however long the segment."""
+    _, first, end, heads, head_mask, A, start, _ = _piece_program(
+        A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads, BLOCK_H
+    )
+    sum_a = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    sum_grad_cum = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    grad_to_end = tl.zeros((BLOCK_H,), dtype=tl.float64)
+    for offset in range(first, end, BLOCK_T):
+        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, end, heads, head_mask,
+                                             stride_dt_t, stride_dt_h, BLOCK_T)  # fmt: skip
+        index = tokens[:, None] * num_heads + heads[None, :]
+        grad_cum = tl.load(grad_cum_ptr + index, mask=mask, other=0.0)
+        grad_weight = tl.load(grad_weight_ptr + index, mask=mask, other=0.0)
+        step = tl.sum(a, axis=0)
+        after = step[None, :] - tl.cumsum(a, axis=0)  # sum of a over the block after t
+        decay = tl.exp(after.to(tl.float32))
+        grad_to_end = grad_to_end * tl.exp(step.to(tl.float32)).to(tl.float64) + tl.sum(
+            (grad_weight * dt * decay).to(tl.float64), axis=0
+        )
+        sum_a += step
+        sum_grad_cum += tl.sum(grad_cum.to(tl.float64), axis=0)
+    at = tl.program_id(0) * num_heads + heads
+    tl.store(sums_ptr + at, sum_a, mask=head_mask)
+    tl.store(sums_ptr + num_pieces * num_heads + at, sum_grad_cum, mask=head_mask)
+    tl.store(sums_ptr + 2 * num_pieces * num_heads + at, grad_to_end, mask=head_mask)
+
+
+@triton.jit(do_not_specialize=("num_pieces", "piece_length"))
 def _segment_decay_bwd_kernel(
-    grad_dt_ptr, grad_A_partial_ptr, grad_cum_ptr, grad_weight_ptr, chain_partial_ptr,
+    grad_dt_ptr, grad_A_partial_ptr, grad_cum_ptr, grad_weight_ptr, sums_ptr, chain_partial_ptr,
     segment_slot_ptr, dt_ptr, A_ptr, starts_ptr, lengths_ptr, pieces_ptr,
-    num_pieces, num_heads, num_chunks, stride_dt_t, stride_dt_h, stride_gdt_t, stride_gdt_h,
-    BLOCK_T: tl.constexpr, SUM_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    num_pieces, num_heads, num_chunks, piece_length,
+    stride_dt_t, stride_dt_h, stride_gdt_t, stride_gdt_h,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, MAX_PIECES: tl.constexpr,
 ):  # fmt: skip
     """Program (piece, head block), gradients of :func:`_segment_decay_fwd_kernel` at the piece's
     tokens. With g_te[t] = d weight[t] * weight[t] (the gradient of cum_end - cum[t]):
     d a[u] = sum_{t >= u} d cum[t] + sum_{t < u} g_te[t] + d cum_end, d dt = d a * A + d weight *
     exp(cum_end - cum), and per piece d A = sum_u d a[u] * dt[u] (grad_A_partial [pieces, H],
-    float32, summed by the caller). Float64 sums; the g_te of the tokens before the piece use cum
-    summed in blocks of SUM_T (the forward's values to float64 rounding); d dt is added to grad_dt
-    ([T, H] float32, rounded once); grad_cum and grad_weight are contiguous [T, H]. d cum_end of a
-    segment whose end state is chained from its parent's (segment_slot[segment] = its slot, else
-    -1) is exp(cum_end) times the sum, in chunk order, of the chain backward's partials
-    [slots, H, num_chunks]; of any other segment, 0."""
+    float32, summed by the caller). What the piece needs of its segment's other tokens comes from
+    the per-piece sums of :func:`_piece_grad_sums_kernel` (sums), read for the segment's pieces
+    (at most MAX_PIECES, consecutive; the piece's index among them is first // piece_length) and
+    summed in piece order, the same for every program of the segment. Float64 sums; d dt is added
+    to grad_dt ([T, H] float32, rounded once); grad_cum and grad_weight are contiguous [T, H].
+    d cum_end of a segment whose end state is chained from its parent's (segment_slot[segment] =
+    its slot, else -1) is exp(cum_end) times the sum, in chunk order, of the chain backward's
+    partials [slots, H, num_chunks]; of any other segment, 0."""
     segment, first, end, heads, head_mask, A, start, length = _piece_program(
         A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads, BLOCK_H
     )
-    total, before, grad_cum_from = _segment_sums(
-        dt_ptr, grad_cum_ptr, A, start, length, first, heads, head_mask, num_heads,
-        stride_dt_t, stride_dt_h, True, SUM_T, BLOCK_H,
-    )  # fmt: skip
-    # sum_{t < first} g_te[t], with cum recomputed over the tokens before the piece.
-    grad_to_end_before = tl.zeros((BLOCK_H,), dtype=tl.float64)
-    cum_before = tl.zeros((BLOCK_H,), dtype=tl.float64)
-    for offset in range(0, first, SUM_T):
-        tokens, mask, dt, a = _segment_steps(dt_ptr, A, start, offset, first, heads, head_mask,
-                                             stride_dt_t, stride_dt_h, SUM_T)  # fmt: skip
-        cum = tl.cumsum(a, axis=0) + cum_before[None, :]
-        decay = tl.exp((total[None, :] - cum).to(tl.float32))
-        grad_weight = tl.load(
-            grad_weight_ptr + tokens[:, None] * num_heads + heads[None, :], mask=mask, other=0.0
-        )
-        grad_to_end_before += tl.sum((grad_weight * decay * dt).to(tl.float64), axis=0)
-        cum_before += tl.sum(a, axis=0)
+    index_in_segment = first // piece_length
+    count = (tl.maximum(length, 1) + piece_length - 1) // piece_length
+    order = tl.arange(0, MAX_PIECES)
+    at = (tl.program_id(0) - index_in_segment + order)[:, None] * num_heads + heads[None, :]
+    valid = (order < count)[:, None] & head_mask[None, :]
+    piece_a = tl.load(sums_ptr + at, mask=valid, other=0.0)
+    piece_grad_cum = tl.load(sums_ptr + num_pieces * num_heads + at, mask=valid, other=0.0)
+    piece_to_end = tl.load(sums_ptr + 2 * num_pieces * num_heads + at, mask=valid, other=0.0)
+    total = tl.sum(piece_a, axis=0)
+    earlier = (order < index_in_segment)[:, None]
+    before = tl.sum(tl.where(earlier, piece_a, 0.0), axis=0)
+    grad_cum_from = tl.sum(tl.where(earlier, 0.0, piece_grad_cum), axis=0)
+    # sum_{t < first} g_te[t]: each earlier piece's sum times exp(sum of a after that piece).
+    after_piece = total[None, :] - tl.cumsum(piece_a, axis=0)
+    grad_to_end_before = tl.sum(
+        tl.where(earlier, piece_to_end * tl.exp(after_piece.to(tl.float32)).to(tl.float64), 0.0),
+        axis=0,
+    )
     grad_cum_end = tl.zeros((BLOCK_H,), dtype=tl.float32)
     slot = tl.load(segment_slot_ptr + segment)
     if slot >= 0:
@@ -721,27 +759,36 @@ class SegmentPieces:
 
     Why pieces: the walk's sums run serially over a segment's tokens, so one program per segment
     takes the time of the longest segment (a 4096-token prompt: 64 steps forward and as many
-    backward). With one program per piece, a program first sums its whole segment in long steps
-    (reading only dt), then walks its piece alone.
+    backward). With one program per piece, a forward program first sums its whole segment in long
+    steps (reading only dt), then walks its piece alone; the backward sums each piece in one pass
+    and then walks each piece, reading its segment's other pieces' sums
+    (:func:`segment_decay_backward`).
 
     Attributes: starts, lengths [segments] int64 (the forest's); pieces [3, NP] int32
-    (:func:`piece_table`).
+    (:func:`piece_table`); piece_length, the row's piece length (the longest piece; a piece's
+    index in its segment is its first token // piece_length).
     """
 
     starts: torch.Tensor
     lengths: torch.Tensor
     pieces: torch.Tensor
+    piece_length: int
 
     @classmethod
     def of(cls, forest: ForestTensors) -> "SegmentPieces":
         """The pieces of ``forest``'s segments (built on first use, cached on it)."""
         return forest.derive(
-            ("segment_pieces", DECAY_BLOCK_T, DECAY_PIECES),
-            lambda: cls(
-                forest.segment_starts,
-                forest.segment_lengths,
-                host_to_device(piece_table(forest.layout.segment_lengths), forest.device),
-            ),
+            ("segment_pieces", DECAY_BLOCK_T, DECAY_PIECES), lambda: cls._build(forest)
+        )
+
+    @classmethod
+    def _build(cls, forest: ForestTensors) -> "SegmentPieces":
+        table = piece_table(forest.layout.segment_lengths)
+        return cls(
+            forest.segment_starts,
+            forest.segment_lengths,
+            host_to_device(table, forest.device),
+            max(int((table[2] - table[1]).max(initial=0)), 1),
         )
 
 
@@ -777,12 +824,21 @@ def segment_decay_backward(grad_cum, grad_weight, chain_partial, segment_slot, d
     place; returns d A [H] float32."""
     heads = dt.shape[1]
     num_pieces = segments.pieces.shape[1]
+    grid = (num_pieces, triton.cdiv(heads, DECAY_BLOCK_H))
+    tables = (segments.starts, segments.lengths, segments.pieces)
+    # Two passes over each piece: its sums, then the walk, which reads its segment's other pieces'
+    # sums instead of the segment's tokens.
+    sums = torch.empty(3, num_pieces, heads, dtype=torch.float64, device=dt.device)
+    _piece_grad_sums_kernel[grid](
+        sums, grad_cum, grad_weight, dt, A, *tables, num_pieces, heads, *dt.stride(),
+        BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+    )  # fmt: skip
     grad_A_partial = torch.empty(num_pieces, heads, dtype=torch.float32, device=dt.device)
-    _segment_decay_bwd_kernel[(num_pieces, triton.cdiv(heads, DECAY_BLOCK_H))](
-        grad_dt, grad_A_partial, grad_cum, grad_weight, chain_partial, segment_slot,
-        dt, A, segments.starts, segments.lengths, segments.pieces,
-        num_pieces, heads, chain_partial.shape[-1], *dt.stride(), *grad_dt.stride(),
-        BLOCK_T=DECAY_BLOCK_T, SUM_T=DECAY_SUM_T, BLOCK_H=DECAY_BLOCK_H,
+    _segment_decay_bwd_kernel[grid](
+        grad_dt, grad_A_partial, grad_cum, grad_weight, sums, chain_partial, segment_slot,
+        dt, A, *tables, num_pieces, heads, chain_partial.shape[-1], segments.piece_length,
+        *dt.stride(), *grad_dt.stride(),
+        BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H, MAX_PIECES=_pow2_at_least_1(DECAY_PIECES),
     )  # fmt: skip
     return grad_A_partial.sum(0)
 

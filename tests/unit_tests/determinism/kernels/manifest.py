@@ -182,6 +182,7 @@ ENTRIES = [
         tests=(
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_forked_state_kernels_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_state_chain_replay",
+            f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_segment_decay_backward_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_scan_replay",
             f"{_KERNEL_TESTS}/test_tree_mamba_replay.py::test_tree_mamba_mixer_replay",
         ),
@@ -193,7 +194,9 @@ ENTRIES = [
             "into the scan's output and its gradients into the scan's, each element by one "
             "program. Every output element "
             "is written by one program; state sums run over fixed splits of each parent's tokens, "
-            "added in index order by a second kernel; no atomics. The parent chain reads back, "
+            "added in index order by a second kernel; the segment walk's backward sums each "
+            "piece, then walks each piece reading its segment's piece sums in piece order; no "
+            "atomics. The parent chain reads back, "
             "within a program, states it wrote for earlier slots, behind a barrier per slot "
             "(replayed 20 times on its own). GPU replay in fp32 and bf16, "
             "with and without the gate, on a depth-3 row and a row whose parents span several "

@@ -359,6 +359,44 @@ def test_segment_decay_recompute_replay(row):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("row", sorted(FORESTS))
+def test_segment_decay_backward_replay(row):
+    """The segment walk's backward, two passes (each piece's sums, then each piece's walk reading
+    its segment's other pieces' sums), gives the same d dt and d A on every run, with a second
+    stream busy a different amount each time; the long star's parent spans several pieces, the
+    depth-3 row has a segment whose log-decay gets a gradient from the parent chain."""
+    # pylint: disable-next=import-outside-toplevel
+    from megatron.shared_prefix.ssm.triton_inherited_state import (
+        SegmentPieces,
+        segment_decay_backward,
+    )
+
+    forest = FORESTS[row]("cuda")
+    segment_slot = TreeScanPlan.of(forest).segment_chain_slot
+    slots, length = len(TreeScanPlan.of(forest).internal), forest.num_tokens
+    if row == "long-star":
+        assert int(SegmentPieces.of(forest).pieces.shape[1]) > len(forest.layout.segment_lengths)
+
+    def make_inputs():
+        grad_cum, grad_weight = (torch.randn(length, HEADS, device="cuda") for _ in range(2))
+        chain_partial = torch.randn(slots, HEADS, 3, device="cuda")
+        dt = torch.rand(length, HEADS, device="cuda") * 0.2 + 0.01
+        A = -torch.rand(HEADS, device="cuda") - 0.5
+        grad_dt = torch.randn(length, HEADS, device="cuda")
+        return grad_cum, grad_weight, chain_partial, dt, A, grad_dt
+
+    def fn(grad_cum, grad_weight, chain_partial, dt, A, grad_dt):
+        grad_A = segment_decay_backward(
+            grad_cum, grad_weight, chain_partial, segment_slot, dt, A, SegmentPieces.of(forest),
+            grad_dt=grad_dt,
+        )  # fmt: skip
+        return grad_dt, grad_A
+
+    assert_bitwise_replay(fn, make_inputs, concurrent_stream_work=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_state_chain_replay():
     """The parent chain of the end states and its backward, at a real layer's widths, 20 runs with
     a second stream busy a different amount each time. Each program reads back states it wrote
