@@ -766,13 +766,15 @@ class SegmentPieces:
 
     Attributes: starts, lengths [segments] int64 (the forest's); pieces [3, NP] int32
     (:func:`piece_table`); piece_length, the row's piece length (the longest piece; a piece's
-    index in its segment is its first token // piece_length).
+    index in its segment is its first token // piece_length); max_segment_pieces, the most pieces
+    of one segment (DECAY_PIECES when the table was built).
     """
 
     starts: torch.Tensor
     lengths: torch.Tensor
     pieces: torch.Tensor
     piece_length: int
+    max_segment_pieces: int
 
     @classmethod
     def of(cls, forest: ForestTensors) -> "SegmentPieces":
@@ -789,6 +791,7 @@ class SegmentPieces:
             forest.segment_lengths,
             host_to_device(table, forest.device),
             max(int((table[2] - table[1]).max(initial=0)), 1),
+            DECAY_PIECES,
         )
 
 
@@ -837,8 +840,8 @@ def segment_decay_backward(grad_cum, grad_weight, chain_partial, segment_slot, d
     _segment_decay_bwd_kernel[grid](
         grad_dt, grad_A_partial, grad_cum, grad_weight, sums, chain_partial, segment_slot,
         dt, A, *tables, num_pieces, heads, chain_partial.shape[-1], segments.piece_length,
-        *dt.stride(), *grad_dt.stride(),
-        BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H, MAX_PIECES=_pow2_at_least_1(DECAY_PIECES),
+        *dt.stride(), *grad_dt.stride(), BLOCK_T=DECAY_BLOCK_T, BLOCK_H=DECAY_BLOCK_H,
+        MAX_PIECES=_pow2_at_least_1(segments.max_segment_pieces),
     )  # fmt: skip
     return grad_A_partial.sum(0)
 

@@ -329,9 +329,16 @@ def test_segment_pieces_cover_every_token_once_in_order():
     row = forest("cpu")
     pieces = kernels.SegmentPieces.of(row)
     assert pieces is kernels.SegmentPieces.of(row)  # cached on the forest
-    np.testing.assert_array_equal(
-        pieces.pieces.numpy(), kernels.piece_table(row.layout.segment_lengths)
-    )
+    segment, first, end = kernels.piece_table(row.layout.segment_lengths)
+    np.testing.assert_array_equal(pieces.pieces.numpy(), np.stack([segment, first, end]))
+    # What the walk's backward reads to find a piece's segment's pieces: the piece's index in its
+    # segment, first // piece_length, counts its segment's earlier pieces, and no segment has
+    # more than max_segment_pieces.
+    assert len(set(segment.tolist())) < len(segment)  # some segment has several pieces
+    index = first // pieces.piece_length
+    since_start = np.arange(len(segment)) - np.searchsorted(segment, segment)
+    np.testing.assert_array_equal(index, since_start)
+    assert np.bincount(segment).max() <= pieces.max_segment_pieces == kernels.DECAY_PIECES
 
 
 @pytest.mark.gpu
