@@ -730,8 +730,8 @@ def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
 # took 0.2 ms forward and backward, 64 x 16 0.4 ms.
 DECAY_BLOCK_T = 128
 DECAY_BLOCK_H = 4
-DECAY_SUM_T = 512  # tokens per step of the sums over a whole segment
-DECAY_PIECES = 8  # pieces of the longest segment: each of its programs reads the whole segment
+DECAY_SUM_T = 512  # tokens per step of the forward's sums over a whole segment
+DECAY_PIECES = 8  # pieces of the longest segment: each forward program reads the whole segment
 
 
 def piece_table(segment_lengths) -> np.ndarray:
@@ -741,7 +741,7 @@ def piece_table(segment_lengths) -> np.ndarray:
     segment gets one empty piece (its cum_end is still written).
 
     One length for the row: the walk takes the time of the longest segment's programs, so shorter
-    segments are cut no finer (each of a segment's programs reads the whole segment)."""
+    segments are cut no finer (each of a segment's forward programs reads the whole segment)."""
     lengths = np.asarray(segment_lengths, dtype=np.int64)
     longest = int(lengths.max(initial=0))
     piece = max(-(-longest // (DECAY_PIECES * DECAY_BLOCK_T)), 1) * DECAY_BLOCK_T
