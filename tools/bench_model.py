@@ -39,7 +39,8 @@ Triton caches (cold), the second with the caches the first left (warm). With
 directories, as the ranks of a job sharing a cache (section of its own).
 
 Times are wall-clock milliseconds of a whole step (synchronized at its end, so host work inside the
-step counts), the median of ``--repeats`` steps after two warm-up steps. The "steps queued"
+step counts; the set-up line gives the machine's host cost of one kernel launch with the GPU busy,
+``benchmark_report.host_launch_us``, since a short row's synchronized step follows the host), the median of ``--repeats`` steps after two warm-up steps. The "steps queued"
 columns time the same steps queued back to back without that synchronization (``queued``), as the
 micro-batches of a training step run, where a step's host work overlaps the previous step's GPU
 work. The "tables from workers" columns time the synchronized steps with every row's forest tables
@@ -79,6 +80,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from benchmark_report import (  # noqa: E402
     agent_tree,
+    device_description,
+    host_launch_us,
     markdown_table,
     star,
     use_deterministic_mamba_ssm,
@@ -840,8 +843,10 @@ def _section(args, tables):
     return SECTION if tables else FIRST_STEP_SECTION
 
 
-def markdown(tables, first, command, args):
-    """The benchmark section: command, set-up, one table per pattern, first-step times."""
+def markdown(tables, first, command, args, host_us=None):
+    """The benchmark section: command, set-up, one table per pattern, first-step times;
+    ``host_us``: the machine's launch costs (``host_launch_us``), written beside the device."""
+    device = device_description(torch.cuda.get_device_name(), host_us)
     notes = (
         f" Multi-token prediction: {args.mtp_num_layers} depths of pattern "
         f"`{args.mtp_pattern}`, each on its own forest row; the step includes their losses "
@@ -864,7 +869,7 @@ def markdown(tables, first, command, args):
         )
     if getattr(args, "kept_memory", False):
         setup = (
-            f"Device: {torch.cuda.get_device_name()}. Model as in the whole-model table (hidden "
+            f"Device: {device}. Model as in the whole-model table (hidden "
             f"{args.hidden}, vocabulary {args.vocab}, bf16). MiB that autograd keeps for backward "
             "after the forward of the longest tree row and of the longest packed dense row of "
             "each batch (distinct saved storages, parameters excluded, each counted for the "
@@ -874,7 +879,7 @@ def markdown(tables, first, command, args):
         )
     else:
         setup = (
-            f"Device: {torch.cuda.get_device_name()}. Model: hidden {args.hidden}, {args.heads} "
+            f"Device: {device}. Model: hidden {args.hidden}, {args.heads} "
             f"heads x 128 ({args.query_groups} key/value groups), MLP {4 * args.hidden}, 8 "
             f"experts top-2 of {args.hidden}, Mamba 64-dim heads, state 128, 8 groups, "
             f"vocabulary {args.vocab}, bf16; local (non-TE) modules. A step is forward+backward "
@@ -1019,7 +1024,8 @@ def main():
     from megatron.shared_prefix.training.distributed import init_single_process
 
     init_single_process("cuda")
-    tables, log = {}, {"patterns": {}}
+    host_us = host_launch_us()
+    tables, log = {}, {"patterns": {}, "host_launch_us": host_us}
 
     def save():
         if args.json:
@@ -1057,7 +1063,7 @@ def main():
         first = {"pattern": args.first_step, **first_steps(args.first_step, args)}
         log["first_step"] = first
         save()
-    section = markdown(tables, first, "python " + shlex.join(sys.argv), args)
+    section = markdown(tables, first, "python " + shlex.join(sys.argv), args, host_us)
     print(section)
     if args.write:
         write_section(args.write, section)

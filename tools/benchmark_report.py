@@ -7,9 +7,11 @@ that section when it runs again, so benchmarks never overwrite each other's resu
 
 import os
 import statistics
+import time
 
 import numpy as np
 import torch
+import triton
 
 
 def use_deterministic_mamba_ssm():
@@ -53,6 +55,56 @@ def cuda_time_ms(fn, repeats: int, warmup: int = 3, *, host_ahead: bool = False)
         events.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+# Does nothing: its launch is the host's work alone (eight tensors and eight integers).
+@triton.jit
+def _empty_kernel(a, b, c, d, e, f, g, h, i, j, k, m, n, o, p, q):
+    pass
+
+
+def host_launch_us(launches: int = 200, rounds: int = 3) -> dict:
+    """Host microseconds per launch on this machine, with the GPU busy (the launches are queued
+    behind a sleep kernel, so the host never waits): ``triton``, an empty Triton kernel with eight
+    tensor and eight integer arguments, about what each Triton kernel of the tree Mamba layer
+    takes; ``torch``, an in-place add of two 16-element tensors. Median of ``rounds`` rounds of
+    ``launches`` launches each. CUDA only.
+
+    Why: a synchronized tree step of a short row can be held to the host (a Mamba layer's
+    forward+backward launches about 36 Triton kernels and 140 PyTorch ones), and the same step
+    took up to 38% longer on one machine than on another of the same kind (docs/benchmarks.md,
+    *Whole model: what the table shows*), so a table records the host's costs beside its device.
+    """
+    tensors = [torch.zeros(16, device="cuda") for _ in range(8)]
+    integers = [16] * 8
+    launch = {
+        "triton": lambda: _empty_kernel[(1,)](*tensors, *integers),
+        "torch": lambda: tensors[0].add_(tensors[1]),
+    }
+    result = {}
+    for name, fn in launch.items():
+        fn()  # compiles the kernel
+        per_round = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOST_AHEAD_CYCLES)  # pylint: disable=protected-access
+            start = time.perf_counter()
+            for _ in range(launches):
+                fn()
+            per_round.append(1e6 * (time.perf_counter() - start) / launches)
+        torch.cuda.synchronize()
+        result[name] = statistics.median(per_round)
+    return result
+
+
+def device_description(name: str, host_us=None) -> str:
+    """``name``, with the host's launch costs of :func:`host_launch_us` when given."""
+    if host_us is None:
+        return name
+    return (
+        f"{name} (host, with the GPU busy: {host_us['triton']:.1f} us per launch of an empty "
+        f"Triton kernel of 16 arguments, {host_us['torch']:.1f} us per small PyTorch op)"
+    )
 
 
 def kernel_time_differences(averages, reference, *, attribute="self_device_time_total"):

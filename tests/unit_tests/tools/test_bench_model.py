@@ -348,6 +348,26 @@ def test_benchmarks_run_mamba_ssm_deterministic_unless_told_otherwise(setting):
     assert result.stdout.split() == [str(setting), "1" if setting is None else setting]
 
 
+def test_device_description_gives_the_host_launch_costs(tool):
+    """The set-up line names the device, then, when measured, the host's cost of one Triton and
+    one PyTorch launch (a short row's synchronized step follows the host)."""
+    describe = sys.modules["benchmark_report"].device_description
+    assert describe("NVIDIA H100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
+    text = describe("NVIDIA H100 80GB HBM3", {"triton": 195.04, "torch": 12.26})
+    assert text.startswith("NVIDIA H100 80GB HBM3 (host, with the GPU busy: ")
+    assert "195.0 us per launch of an empty Triton kernel" in text
+    assert "12.3 us per small PyTorch op" in text
+
+
+@pytest.mark.gpu
+def test_host_launch_costs_are_measured_with_the_gpu_busy(tool):
+    """host_launch_us times both launches (positive, finite) and leaves no work queued."""
+    costs = sys.modules["benchmark_report"].host_launch_us(launches=20, rounds=2)
+    assert set(costs) == {"triton", "torch"}
+    assert all(0 < value < 1e5 for value in costs.values())
+    assert torch.cuda.current_stream().query()
+
+
 def test_kernel_time_differences_locate_what_one_run_adds(tool):
     """The profile difference that bench_mamba --profile prints: on CPU, a run with an extra add
     shows the add first, with its call counts, and names the two runs share with their times."""
