@@ -39,8 +39,9 @@ Triton caches (cold), the second with the caches the first left (warm). With
 directories, as the ranks of a job sharing a cache (section of its own).
 
 Times are wall-clock milliseconds of a whole step (synchronized at its end, so host work inside the
-step counts; the set-up line gives the machine's host cost of one kernel launch with the GPU busy,
-``benchmark_report.host_launch_us``, since a short row's synchronized step follows the host), the median of ``--repeats`` steps after two warm-up steps. The "steps queued"
+step counts), the median of ``--repeats`` steps after two warm-up steps; the set-up line gives the
+machine's host cost of one kernel launch with the GPU busy (``benchmark_report.host_launch_us``),
+since a short row's synchronized step can follow the host. The "steps queued"
 columns time the same steps queued back to back without that synchronization (``queued``), as the
 micro-batches of a training step run, where a step's host work overlaps the previous step's GPU
 work. The "tables from workers" columns time the synchronized steps with every row's forest tables

@@ -353,10 +353,10 @@ def test_device_description_gives_the_host_launch_costs(tool):
     one PyTorch launch (a short row's synchronized step follows the host)."""
     describe = sys.modules["benchmark_report"].device_description
     assert describe("NVIDIA H100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
-    text = describe("NVIDIA H100 80GB HBM3", {"triton": 195.04, "torch": 12.26})
+    text = describe("NVIDIA H100 80GB HBM3", {"triton": 17.46, "torch": 5.81})
     assert text.startswith("NVIDIA H100 80GB HBM3 (host, with the GPU busy: ")
-    assert "195.0 us per launch of an empty Triton kernel" in text
-    assert "12.3 us per small PyTorch op" in text
+    assert "17.5 us per launch of an empty Triton kernel" in text
+    assert "5.8 us per small PyTorch op" in text
 
 
 @pytest.mark.gpu
