@@ -70,7 +70,7 @@ from megatron.shared_prefix.tensors import ForestTensors, host_to_device, hosts_
 
 TOKENS_PER_BLOCK = 64  # tokens per program
 SPLIT_BLOCKS = 16  # token blocks summed by one program of the state sum
-SUM_BLOCK = 1024  # state elements per program when adding the splits
+SUM_BLOCK = 1024  # state elements per program of the parent chain
 # Pipeline stages of the token product: one stage was 6-12% faster than Triton's default of three
 # in a sweep on an H200 (docs/benchmarks.md, the tree Mamba mixer's launch options).
 TOKEN_PRODUCT_STAGES = 1
@@ -355,20 +355,6 @@ def _state_sum_kernel(
     )
 
 
-@triton.jit(do_not_specialize=("num_slots",))
-def _sum_splits_kernel(out_ptr, partial_ptr, slot_splits_ptr, num_slots, size,
-                       BLOCK: tl.constexpr):  # fmt: skip
-    """Program (slot, chunk): out[slot] = sum of partial[first split .. end split) in order."""
-    slot = tl.program_id(0)
-    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    first = tl.load(slot_splits_ptr + slot)
-    for split in range(first, tl.load(slot_splits_ptr + num_slots + slot)):
-        acc += tl.load(partial_ptr + split * size + offsets, mask=mask, other=0.0)
-    tl.store(out_ptr + slot * size + offsets, acc, mask=mask)
-
-
 @triton.jit
 def _piece_program(A_ptr, starts_ptr, lengths_ptr, pieces_ptr, num_pieces, num_heads,
                    BLOCK_H: tl.constexpr):  # fmt: skip
@@ -564,21 +550,35 @@ def _segment_decay_bwd_kernel(
     )
 
 
+@triton.jit
+def _slot_sum(partial_ptr, slot_splits_ptr, slot, num_slots, head, num_heads, size, offsets, mask,
+              BLOCK: tl.constexpr):  # fmt: skip
+    """[BLOCK] float32: a slot's own state, the sum of its splits' partials in index order."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    end = tl.load(slot_splits_ptr + num_slots + slot)
+    for split in range(tl.load(slot_splits_ptr + slot), end):
+        at = (split * num_heads + head) * size + offsets
+        acc += tl.load(partial_ptr + at, mask=mask, other=0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=("num_slots",))
-def _chain_fwd_kernel(copy_ptr, parent_ends_ptr, own_ptr, cum_end_ptr, slot_segment_ptr,
-                      slot_parent_ptr, parent_row_ptr, num_slots, num_heads, size,
-                      BLOCK: tl.constexpr):  # fmt: skip
+def _chain_fwd_kernel(copy_ptr, parent_ends_ptr, partial_ptr, slot_splits_ptr, cum_end_ptr,
+                      slot_segment_ptr, slot_parent_ptr, parent_row_ptr, num_slots, num_heads,
+                      size, BLOCK: tl.constexpr):  # fmt: skip
     """Program (head, chunk): end[s] = own[s] + exp(cum_end[segment(s)]) * end[parent(s)], slots
-    in increasing order (parents first), written rounded to copy's dtype in copy (the states the
-    token products read) and, for a slot that is another's parent (parent_row[s] >= 0), in float32
-    to parent_ends[parent_row[s]] (the states the chain reads, forward and backward). copy, own:
-    contiguous [S, H, size]; parent_ends: contiguous [rows, H, size]."""
+    in increasing order (parents first), own[s] the sum of the slot's splits (``_slot_sum``),
+    written rounded to copy's dtype in copy (the states the token products read) and, for a slot
+    that is another's parent (parent_row[s] >= 0), in float32 to parent_ends[parent_row[s]] (the
+    states the chain reads, forward and backward). copy: contiguous [S, H, size]; partial:
+    contiguous [splits, H, size]; parent_ends: contiguous [rows, H, size]."""
     head = tl.program_id(0)
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < size
     for slot in range(num_slots):
         here = (slot * num_heads + head) * size + offsets
-        value = tl.load(own_ptr + here, mask=mask)
+        value = _slot_sum(partial_ptr, slot_splits_ptr, slot, num_slots, head, num_heads, size,
+                          offsets, mask, BLOCK)  # fmt: skip
         parent = tl.load(slot_parent_ptr + slot)
         if parent >= 0:
             decay = tl.exp(
@@ -597,18 +597,26 @@ def _chain_fwd_kernel(copy_ptr, parent_ends_ptr, own_ptr, cum_end_ptr, slot_segm
 
 
 @triton.jit(do_not_specialize=("num_slots",))
-def _chain_bwd_kernel(grad_ptr, copy_ptr, grad_decay_partial_ptr, parent_ends_ptr, cum_end_ptr,
-                      slot_segment_ptr, slot_parent_ptr, parent_row_ptr, num_slots, num_heads,
-                      size, BLOCK: tl.constexpr):  # fmt: skip
-    """Program (head, chunk), slots in decreasing order (children first), in place: grad holds
-    d ends and becomes d own: when slot s is reached, its children have added their parts, so
-    grad[s] is final; it is rounded to copy's dtype in copy, s passes exp(cum_end) * grad[s] to
-    its parent, and grad_decay_partial[s, head, chunk] = sum over the chunk of grad[s] *
-    end[parent(s)] (the parent's float32 end state, parent_ends[parent_row[parent(s)]])."""
+def _chain_bwd_kernel(grad_ptr, partial_ptr, slot_splits_ptr, copy_ptr, grad_decay_partial_ptr,
+                      parent_ends_ptr, cum_end_ptr, slot_segment_ptr, slot_parent_ptr,
+                      parent_row_ptr, num_slots, num_heads, size,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """Program (head, chunk). First grad[s] = d end[s], the sum of the slot's splits
+    (``_slot_sum``) for every slot; then slots in decreasing order (children first), in place:
+    grad becomes d own: when slot s is reached, its children have added their parts, so grad[s]
+    is final; it is rounded to copy's dtype in copy, s passes exp(cum_end) * grad[s] to its
+    parent, and grad_decay_partial[s, head, chunk] = sum over the chunk of grad[s] *
+    end[parent(s)] (the parent's float32 end state, parent_ends[parent_row[parent(s)]]). grad:
+    contiguous [S, H, size], written before it is read."""
     head = tl.program_id(0)
     chunk = tl.program_id(1)
     offsets = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < size
+    for slot in range(num_slots):
+        grad = _slot_sum(partial_ptr, slot_splits_ptr, slot, num_slots, head, num_heads, size,
+                         offsets, mask, BLOCK)  # fmt: skip
+        tl.store(grad_ptr + (slot * num_heads + head) * size + offsets, grad, mask=mask)
+    tl.debug_barrier()  # the walk reads them back, maybe in other threads than wrote them
     for index in range(num_slots):
         slot = num_slots - 1 - index
         here = (slot * num_heads + head) * size + offsets
@@ -702,11 +710,22 @@ def token_grad(v, z, C, w, states, tables: TokenBlocks, *, exp_weight, grad_C, g
     return grad_w
 
 
-def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
-    """[S, H, P, N] float32: per slot, the sum over its tokens of (f(w) * gate(z) * v)^T C."""
+@dataclasses.dataclass(frozen=True)
+class StatePartials:
+    """A state sum in splits, as the parent chain reads it: partial [NS, H, P, N] float32 (per
+    split, the sum over its tokens), slot_splits [2, S] int32 (per slot, its first and end split).
+    The chain adds each slot's splits in index order where it reads the slot's state, so no
+    [S, H, P, N] sum is written and launched for on its own."""
+
+    partial: torch.Tensor
+    slot_splits: torch.Tensor
+
+
+def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight) -> StatePartials:
+    """Per slot, the sum over its tokens of (f(w) * gate(z) * v)^T C ([P, N] per head), as the
+    float32 partial sums of its splits."""
     heads, head_dim, _, state_dim, sizes = _sizes(v, C)
     num_blocks, num_splits = tables.blocks.shape[1], tables.splits.shape[1]
-    num_slots = tables.slot_splits.shape[1]
     # Every element is written by the kernel: no fill.
     partial = torch.empty(num_splits, heads, head_dim, state_dim, device=C.device)
     if num_splits:
@@ -717,12 +736,7 @@ def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight):
             *v.stride(), *_strides(z, 3), *C.stride(), *w.stride(),
             HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
         )  # fmt: skip
-    size = heads * head_dim * state_dim
-    out = torch.empty(num_slots, heads, head_dim, state_dim, device=C.device)
-    _sum_splits_kernel[(num_slots, triton.cdiv(size, SUM_BLOCK))](
-        out, partial, tables.slot_splits, num_slots, size, BLOCK=SUM_BLOCK
-    )
-    return out
+    return StatePartials(partial, tables.slot_splits)
 
 
 # Tokens per step and heads per program of the segment walk, from a sweep of the walk before it
@@ -846,8 +860,8 @@ def segment_decay_backward(grad_cum, grad_weight, chain_partial, segment_slot, d
     return grad_A_partial.sum(0)
 
 
-def chain_states(own, cum_end, slot_segment, slot_parent, parent_row, num_parent_rows, *,
-                 copy_dtype):  # fmt: skip
+def chain_states(own: StatePartials, cum_end, slot_segment, slot_parent, parent_row,
+                 num_parent_rows, *, copy_dtype):  # fmt: skip
     """The end states ``end[s] = own[s] + exp(cum_end[segment(s)]) * end[parent(s)]`` (parents
     first; a root's end state is its own) of all internal segments, in one kernel launch:
     (copy [S, H, P, N] in ``copy_dtype``, every slot's end state rounded once; parent_ends
@@ -855,40 +869,42 @@ def chain_states(own, cum_end, slot_segment, slot_parent, parent_row, num_parent
     parent_row). Those are what the token products and the chain's backward read: the float32
     end states of the other slots are never written.
 
-    Inputs: own [S, H, P, N] float32 contiguous, cum_end [segments, H] float32, slot_segment [S]
-    int64 (the segment of each slot), slot_parent [S] int64 (the parent's slot, -1 for a root),
-    parent_row [S] int64 (a parent's row in parent_ends, -1 for a slot that is no parent:
-    ``TreeScanPlan.chain_parent_row``).
+    Inputs: own, the internal segments' own states (:func:`state_sum`; the chain adds their
+    splits), cum_end [segments, H] float32, slot_segment [S] int64 (the segment of each slot),
+    slot_parent [S] int64 (the parent's slot, -1 for a root), parent_row [S] int64 (a parent's
+    row in parent_ends, -1 for a slot that is no parent: ``TreeScanPlan.chain_parent_row``).
     """
-    slots, heads = own.shape[:2]
-    size = own[0, 0].numel()
-    copy = torch.empty_like(own, dtype=copy_dtype)
-    parent_ends = own.new_empty(num_parent_rows, *own.shape[1:])
+    partial, slots = own.partial, own.slot_splits.shape[1]
+    heads, size = partial.shape[1], partial.shape[2] * partial.shape[3]
+    copy = torch.empty(slots, *partial.shape[1:], dtype=copy_dtype, device=partial.device)
+    parent_ends = partial.new_empty(num_parent_rows, *partial.shape[1:])
     # Without parents no program touches parent_ends: any tensor stands in for its empty pointer.
     _chain_fwd_kernel[(heads, triton.cdiv(size, SUM_BLOCK))](
-        copy, parent_ends if num_parent_rows else own, own, cum_end, slot_segment, slot_parent,
-        parent_row, slots, heads, size, BLOCK=SUM_BLOCK,
+        copy, parent_ends if num_parent_rows else partial, partial, own.slot_splits, cum_end,
+        slot_segment, slot_parent, parent_row, slots, heads, size, BLOCK=SUM_BLOCK,
     )  # fmt: skip
     return copy, parent_ends
 
 
-def chain_states_backward(grad_ends, parent_ends, cum_end, slot_segment, slot_parent, parent_row,
-                          *, copy_dtype):  # fmt: skip
-    """Gradients of :func:`chain_states` given d ends and its float32 parents' end states
-    parent_ends: (d own [S, H, P, N] in ``copy_dtype``, partials [S, H, chunks] float32). d own is
-    summed in float32 in grad_ends, which this overwrites (contiguous, not read by anyone else),
-    then rounded once. partials[s, h, c] = sum over chunk c of the state of d own[s] *
+def chain_states_backward(grad_ends: StatePartials, parent_ends, cum_end, slot_segment,
+                          slot_parent, parent_row, *, copy_dtype):  # fmt: skip
+    """Gradients of :func:`chain_states` given d ends (in splits, as :func:`state_sum` returns
+    them) and its float32 parents' end states parent_ends: (d own [S, H, P, N] in
+    ``copy_dtype``, partials [S, H, chunks] float32). d own is summed in a float32 buffer of the
+    kernel, then rounded once. partials[s, h, c] = sum over chunk c of the state of d own[s] *
     end[parent(s)]: d cum_end[segment(s)] = exp(cum_end[segment(s)]) * their sum over chunks,
     which :func:`segment_decay_backward` adds where it needs it (no [segments, H] tensor is
     built)."""
-    slots, heads = grad_ends.shape[:2]
-    size = grad_ends[0, 0].numel()
+    partial, slots = grad_ends.partial, grad_ends.slot_splits.shape[1]
+    heads, size = partial.shape[1], partial.shape[2] * partial.shape[3]
     chunks = triton.cdiv(size, SUM_BLOCK)
-    copy = torch.empty_like(grad_ends, dtype=copy_dtype)
-    grad_decay = torch.empty(slots, heads, chunks, device=grad_ends.device)
+    grad = partial.new_empty(slots, *partial.shape[1:])
+    copy = torch.empty_like(grad, dtype=copy_dtype)
+    grad_decay = torch.empty(slots, heads, chunks, device=partial.device)
     _chain_bwd_kernel[(heads, chunks)](  # parent_ends as in chain_states
-        grad_ends, copy, grad_decay, parent_ends if parent_ends.numel() else grad_ends, cum_end,
-        slot_segment, slot_parent, parent_row, slots, heads, size, BLOCK=SUM_BLOCK,
+        grad, partial, grad_ends.slot_splits, copy, grad_decay,
+        parent_ends if parent_ends.numel() else grad, cum_end, slot_segment, slot_parent,
+        parent_row, slots, heads, size, BLOCK=SUM_BLOCK,
     )  # fmt: skip
     return copy, grad_decay
 

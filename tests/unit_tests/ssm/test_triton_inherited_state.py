@@ -158,6 +158,33 @@ def test_interpreted_kernels_match_torch_oracle():
         assert "relative error" in run_interpreted(__file__, small_blocks, row_kind)
 
 
+def slot_splits(partials) -> list:
+    """[(first split, end split)] of every slot of a ``StatePartials``."""
+    return list(zip(*partials.slot_splits.tolist()))
+
+
+def per_slot(states):
+    """The ``StatePartials`` of one split per slot: states [S, H, P, N] float32."""
+    from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+        triton_inherited_state as kernels,
+    )
+
+    bounds = torch.arange(states.shape[0] + 1, dtype=torch.int32, device=states.device)
+    return kernels.StatePartials(states, torch.stack([bounds[:-1], bounds[1:]]))
+
+
+def in_order(partials):
+    """The ``StatePartials`` of one split per slot, each the float32 sum of the slot's splits in
+    index order, added from zero one split at a time (as the chain adds them)."""
+    sums = []
+    for first, end in slot_splits(partials):
+        total = torch.zeros_like(partials.partial[0])
+        for split in range(first, end):
+            total += partials.partial[split]
+        sums.append(total)
+    return per_slot(torch.stack(sums))
+
+
 def state_sum_error(device: str, dtype: torch.dtype) -> float:
     """Largest relative error of ``state_sum`` against an einsum over each parent's children, with
     and without the gate, log and linear weights."""
@@ -176,7 +203,8 @@ def state_sum_error(device: str, dtype: torch.dtype) -> float:
     per_head = C.double().repeat_interleave(HEADS // GROUPS, dim=1)
     worst = 0.0
     for gate, exp_weight in itertools.product((None, z), (True, False)):
-        actual = kernels.state_sum(v, gate, C, w, tables, exp_weight=exp_weight)
+        partials = kernels.state_sum(v, gate, C, w, tables, exp_weight=exp_weight)
+        actual = torch.stack([partials.partial[a:b].sum(0) for a, b in slot_splits(partials)])
         gated = v.double() * (1 if gate is None else F.silu(gate.double()))
         weighted = gated * (w.double().exp() if exp_weight else w.double())[..., None]
         for slot, children in enumerate(plan.child_tokens):
@@ -396,12 +424,12 @@ def test_states_rounded_by_their_producers_and_fused_pass_give_the_separate_bits
     parents = sorted({parent for *_, parent in plan.internal if parent >= 0})
     assert len(parents) == fork.num_chain_parents == 1
     assert torch.equal(parent_ends, ends[parents]) and torch.equal(parent_ends_again, parent_ends)
-    grad_ends = torch.randn_like(ends)
+    grad_ends = per_slot(torch.randn_like(ends))
     grad_own, _ = kernels.chain_states_backward(
-        grad_ends.clone(), parent_ends, cum_end, *tables, copy_dtype=torch.float32
+        grad_ends, parent_ends, cum_end, *tables, copy_dtype=torch.float32
     )
     grad_own_copy, _ = kernels.chain_states_backward(
-        grad_ends.clone(), parent_ends, cum_end, *tables, copy_dtype=dtype
+        grad_ends, parent_ends, cum_end, *tables, copy_dtype=dtype
     )
     assert grad_own.dtype == torch.float32 and torch.equal(
         _bits(grad_own_copy), _bits(grad_own.to(dtype))
@@ -423,6 +451,45 @@ def test_states_rounded_by_their_producers_and_fused_pass_give_the_separate_bits
     )  # fmt: skip
     assert not torch.equal(fused[0], grad_x)  # the product was added
     for expected, actual in zip((*separate, separate_w), (*fused, fused_w)):
+        assert torch.equal(_bits(actual), _bits(expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chain_adds_the_splits_in_index_order():
+    """The parent chain reads each slot's state as the partial sums of its splits (forward: the
+    own states, backward: the end states' gradients) and adds them in index order as it goes:
+    the bits of the same chain on those sums added one split at a time in torch, for slots of
+    one to four splits."""
+    from megatron.shared_prefix.ssm import triton_inherited_state as kernels
+
+    row = forest("cuda")
+    fork = kernels.ForkedStates.of(row, tree_scan.TreeScanPlan.of(row))
+    slots = fork.slot_parent.shape[0]
+    counts = [1 + 3 * slot % 4 for slot in range(slots)]  # 1, 4, 3, 2, ...
+    ends = np.cumsum(counts)
+    splits = torch.tensor(np.stack([ends - counts, ends]), dtype=torch.int32, device="cuda")
+    torch.manual_seed(3)
+    partial = torch.randn(int(ends[-1]), 64, 64, 128, device="cuda")
+    partials = kernels.StatePartials(partial, splits)
+    cum_end = -torch.rand(len(row.layout.segment_starts), 64, device="cuda")
+    tables = fork.slot_segment, fork.slot_parent, fork.chain_parent_row
+    assert slots >= 2 and max(counts) == 4 and fork.num_chain_parents >= 1
+    folded = kernels.chain_states(
+        partials, cum_end, *tables, fork.num_chain_parents, copy_dtype=torch.bfloat16
+    )
+    summed = kernels.chain_states(
+        in_order(partials), cum_end, *tables, fork.num_chain_parents, copy_dtype=torch.bfloat16
+    )
+    for actual, expected in zip(folded, summed):
+        assert torch.equal(_bits(actual), _bits(expected))
+    folded_grads = kernels.chain_states_backward(
+        partials, folded[1], cum_end, *tables, copy_dtype=torch.bfloat16
+    )
+    summed_grads = kernels.chain_states_backward(
+        in_order(partials), folded[1], cum_end, *tables, copy_dtype=torch.bfloat16
+    )
+    for actual, expected in zip(folded_grads, summed_grads):
         assert torch.equal(_bits(actual), _bits(expected))
 
 

@@ -406,6 +406,7 @@ def test_state_chain_replay():
     run on an H200: 36 of 300 forward and 288 of 300 backward calls differed)."""
     # pylint: disable-next=import-outside-toplevel
     from megatron.shared_prefix.ssm.triton_inherited_state import (
+        StatePartials,
         chain_states,
         chain_states_backward,
     )
@@ -415,19 +416,25 @@ def test_state_chain_replay():
     slots, heads, head_dim, state = len(plan.internal), 8, 64, 128
     assert (plan.segment_chain_slot >= 0).any() and slots >= 3 and plan.num_chain_parents >= 1
 
+    # Two splits per slot: the chain adds them as it reads a slot's state.
+    bounds = torch.arange(0, 2 * slots + 1, 2, dtype=torch.int32, device="cuda")
+    slot_splits = torch.stack([bounds[:-1], bounds[1:]])
+
     def make_inputs():
-        own = torch.randn(slots, heads, head_dim, state, device="cuda")
+        own = torch.randn(2 * slots, heads, head_dim, state, device="cuda")
         cum_end = -torch.rand(len(forest.layout.segment_starts), heads, device="cuda")
         return own, cum_end, torch.randn_like(own)
 
     def fn(own, cum_end, grad_ends):
         tables = (plan.slot_segment, plan.slot_parent, plan.chain_parent_row)
         copy, parent_ends = chain_states(
-            own, cum_end, *tables, plan.num_chain_parents, copy_dtype=torch.bfloat16
-        )
+            StatePartials(own, slot_splits), cum_end, *tables, plan.num_chain_parents,
+            copy_dtype=torch.bfloat16,
+        )  # fmt: skip
         grads = chain_states_backward(
-            grad_ends.clone(), parent_ends, cum_end, *tables, copy_dtype=torch.bfloat16
-        )
+            StatePartials(grad_ends, slot_splits), parent_ends, cum_end, *tables,
+            copy_dtype=torch.bfloat16,
+        )  # fmt: skip
         return copy, parent_ends, *grads
 
     assert_bitwise_replay(fn, make_inputs, runs=20, concurrent_stream_work=True)
