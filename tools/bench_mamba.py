@@ -627,8 +627,9 @@ def conv_markdown(rows, command, args, mixer):
         "input a strided slice of a projection-wide tensor, as Mamba's xBC is). ms: GPU time, "
         f"median of {args.repeats} runs queued back to back behind a sleep kernel (the host has "
         "queued them all before the GPU reaches them). torch: F.conv1d over the row, then "
-        "the SiLU; triton: the Triton row conv with the SiLU fused (ssm/triton_causal_conv.py); "
-        "both recompute the first w - 1 tokens of each segment from their root-path windows. "
+        "the SiLU, then the first w - 1 tokens of each segment recomputed from their root-path "
+        "windows; triton: the Triton conv with the SiLU fused (ssm/triton_causal_conv.py), each "
+        "token's taps read from the forest's table of them (those windows in it). "
         "megatron-core varlen: megatron-core 0.19.2's `causal_conv1d_varlen_fn` (forward only, no "
         "backward: training cannot use it), every segment one of its sequences with the parent's "
         "tail as its initial state. max rel. diff: max |a - torch| / max |torch| of the outputs.",

@@ -6,25 +6,25 @@ tail of the parent segment, then the grandparent's when the parent is shorter th
 zeros beyond the root. That is exactly the window the token has in every original sequence through
 it, so the convolution of each packed token equals the dense one.
 
-Implementation (memory O(T * channels)):
+Implementation (memory O(T * channels)): the first ``min(w - 1, len)`` tokens of each segment
+are the *fixed tokens*, whose windows leave their segment; every other token's window lies inside
+its own segment, so an ordinary causal conv over the packed row is right for it. The fixed tokens'
+windows are gathered along the root path (``ForestTensors.root_path_predecessors(w - 1)``, -1 =
+zero) once per forest (``FixupWindows``). Backends:
 
-1. one ordinary causal conv over the packed row, activation included. It is right for every token
-   whose window lies inside its own segment, i.e. all but the first ``min(w - 1, len)`` tokens of
-   each segment. Backends: "torch" runs ``F.conv1d`` with ``w - 1`` zeros of left padding and
-   ``groups = channels``, then the activation, as megatron-core's non-fused path does; "triton"
-   runs triton_causal_conv.py (forward and backward, activation fused, no channels-first copies);
-   "auto" takes Triton for CUDA tensors (unless a row is too long for its int32 offsets: over
-   about 2^31 / d_proj tokens, or the conv wider than its ``MAX_WIDTH`` of 4 taps) and torch
-   otherwise;
-2. a fix-up of those few tokens: their windows are gathered along the root path
-   (``ForestTensors.root_path_predecessors(w - 1)``, -1 = zero), the conv and the activation are
-   recomputed for them, and written into the row conv's output (``index_put_`` without
-   accumulation: each fixed token is written once, so the result and its gradient do not depend on
-   any order).
+* "torch": ``F.conv1d`` over the row with ``w - 1`` zeros of left padding and ``groups =
+  channels``, then the activation, as megatron-core's non-fused path does; then a fix-up of the
+  fixed tokens: the conv and the activation recomputed from their windows and written into the
+  row conv's output (``index_put_`` without accumulation: each fixed token is written once, so
+  the result and its gradient do not depend on any order). Autograd differentiates both steps.
+* "triton": triton_causal_conv.py (activation fused, no channels-first copies), as one autograd
+  node (``_TritonTreeConv``): the forward kernel reads every token's taps from a [T, w] table
+  (the fixed tokens' windows in it), so there is no fix-up pass; the backward is the row conv's,
+  skipping the fixed tokens, plus two kernels for the fixed tokens' windows.
+* "auto": Triton for CUDA tensors (unless a row is too long for its int32 offsets: over about
+  2^31 / d_proj tokens, or the conv wider than its ``MAX_WIDTH`` of 4 taps), torch otherwise.
 
-The fix-up touches at most ``S * (w - 1)`` tokens (S segments), a small fraction of the row. On the
-torch backend autograd differentiates the two steps as written; on Triton they are one autograd
-node (``_TritonTreeConv``) whose backward touches no more of the row than the row conv's own does.
+The fixed tokens are at most ``S * (w - 1)`` (S segments), a small fraction of the row.
 """
 
 from dataclasses import dataclass
@@ -54,9 +54,14 @@ class FixupWindows:
     # for ``tokens[i]`` (tap w - 1 the token itself), -1 where the root path is shorter
     skip: torch.Tensor  # [T] uint8, 1 at the fixed tokens (the Triton row conv's backward skips
     # their output gradients)
-    sources: torch.Tensor  # [P] int64 flat indices ``i * w + k`` of the present window entries
+    tap_tokens: torch.Tensor  # [T, w] int32: the token tap k multiplies for every token, the
+    # w - 1 before it and itself, the window of ``windows`` at a fixed token (Triton forward)
     targets: torch.Tensor  # [U] int64 distinct packed tokens the present entries read
-    target_slots: torch.Tensor  # [P] int64 index into ``targets`` of each present entry
+    target_starts: torch.Tensor  # [U + 1] int64: the present entries that read ``targets[u]``
+    # are ``target_entries[target_starts[u]:target_starts[u + 1]]``
+    target_entries: torch.Tensor  # [P] int64 flat indices ``i * w + k`` of the present entries,
+    # by target, in index order within one
+    max_target_entries: int  # the most entries that read one target
 
 
 def _fixup_windows(forest: ForestTensors, width: int) -> FixupWindows:
@@ -71,43 +76,55 @@ def _fixup_windows(forest: ForestTensors, width: int) -> FixupWindows:
         windows = np.concatenate([predecessors[:, ::-1], tokens[:, None]], axis=1)
         skip = np.zeros(forest.num_tokens, dtype=np.uint8)
         skip[tokens] = 1
-        sources = np.flatnonzero(windows.reshape(-1) >= 0)
-        targets, target_slots = np.unique(windows.reshape(-1)[sources], return_inverse=True)
-        arrays = (tokens, windows, skip, sources, targets, target_slots.reshape(-1))
-        return FixupWindows(*hosts_to_device(arrays, forest.device))
+        tap_tokens = np.arange(forest.num_tokens)[:, None] - (width - 1) + np.arange(width)
+        tap_tokens[tokens] = windows  # the others' windows lie inside their segments
+        present = np.flatnonzero(windows.reshape(-1) >= 0)
+        targets, target_slots = np.unique(windows.reshape(-1)[present], return_inverse=True)
+        counts = np.bincount(target_slots.reshape(-1), minlength=len(targets))
+        arrays = (
+            tokens,
+            windows,
+            skip,
+            tap_tokens.astype(np.int32),
+            targets,
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            present[np.argsort(target_slots.reshape(-1), kind="stable")],
+        )
+        return FixupWindows(
+            *hosts_to_device(arrays, forest.device), max_target_entries=int(counts.max(initial=0))
+        )
 
     return forest.derive(("tree_conv_fixup", width), build)
 
 
-def _fixup_pre_activation(rows, fixup: FixupWindows, weight, bias, compute):
-    """(windows [F, w, d], pre-activations [F, d]) in ``compute`` of the fixed tokens, from
-    rows [T, d]: zeros beyond the root, the bias added after the taps."""
-    present = (fixup.windows >= 0).unsqueeze(-1)  # [F, w, 1]
-    gathered = rows[fixup.windows.clamp(min=0)].to(compute) * present  # [F, w, d]
-    pre = torch.einsum("fkd,dk->fd", gathered, weight.to(compute))
-    if bias is not None:
-        pre = pre + bias.to(compute)
-    return gathered, pre
-
-
 def _write_fixed_tokens(out, rows, fixup: FixupWindows, weight, bias, silu, compute) -> None:
     """Overwrite the fixed tokens of the row conv's output out [T, d] with their root-path conv
-    (and SiLU), computed in ``compute`` and rounded once (``index_put_`` without accumulation:
-    each fixed token is written once). The row conv does not keep its output for backward."""
-    _, fixed = _fixup_pre_activation(rows, fixup, weight, bias, compute)
+    (and SiLU) from rows [T, d] (zeros beyond the root, the bias added after the taps), computed
+    in ``compute`` and rounded once (``index_put_`` without accumulation: each fixed token is
+    written once). The torch backend's fix-up; the row conv does not keep its output for
+    backward."""
+    present = (fixup.windows >= 0).unsqueeze(-1)  # [F, w, 1]
+    gathered = rows[fixup.windows.clamp(min=0)].to(compute) * present  # [F, w, d]
+    fixed = torch.einsum("fkd,dk->fd", gathered, weight.to(compute))
+    if bias is not None:
+        fixed = fixed + bias.to(compute)
     out.index_put_((fixup.tokens,), (F.silu(fixed) if silu else fixed).to(out.dtype))
 
 
 class _TritonTreeConv(torch.autograd.Function):
-    """The Triton row conv and the fix-up as one autograd node.
+    """The tree conv on Triton (triton_causal_conv.py) as one autograd node: no fix-up pass.
 
-    Composed of autograd ops (the torch backend's form), the fix-up's backward costs three passes
-    over a [T, d] tensor: the in-place write of the fixed outputs clones the output gradient to
-    zero its fixed rows, and the gather of their windows scatters into a zero [T, d] gradient that
-    is then added to the row conv's. Here the row conv's backward skips the fixed rows' gradients
-    (``FixupWindows.skip``) and the windows' gradients are added into its dx at the U tokens they
-    read, in float32 (``index_put_`` with accumulation, which sorts its indices on CUDA: the order
-    of addition is fixed) and rounded once.
+    Forward: one launch of the row conv, every output reading its taps from the forest's
+    ``FixupWindows.tap_tokens`` (the w - 1 tokens before it, or a fixed token's root-path window).
+    Backward: the row conv's backward skips the fixed tokens' output gradients
+    (``FixupWindows.skip``); two kernels then compute the fixed tokens' pre-activation gradients
+    with their windows' weight and bias parts (as extra rows of the row backward's partial sums,
+    all added by one ``torch.sum``) and add their windows' input gradients into dx at the U
+    distinct tokens they read, each summed in float32 in a fixed order and rounded once.
+
+    Composed of autograd ops (the torch backend's form), the fix-up costs about ten small ops
+    forward and three passes over a [T, d] tensor backward (a clone of the output gradient to zero
+    its fixed rows, a zero [T, d] gradient for the gathered windows, the sum of the two).
 
     Args (``apply``): rows [T, d] (unit channel stride), weight [d, w] (w >= 2), bias [d] or None,
     silu (bool), fixup (``FixupWindows``). Returns [T, d] contiguous in rows' dtype.
@@ -118,8 +135,7 @@ class _TritonTreeConv(torch.autograd.Function):
         # pylint: disable-next=import-outside-toplevel
         from megatron.shared_prefix.ssm.triton_causal_conv import forward_rows
 
-        out = forward_rows(rows, weight, bias, silu)
-        _write_fixed_tokens(out, rows, fixup, weight, bias, silu, torch.float32)
+        out = forward_rows(rows, weight, bias, silu, tap_tokens=fixup.tap_tokens)
         ctx.save_for_backward(rows, weight, bias)
         ctx.silu, ctx.fixup = silu, fixup
         return out
@@ -127,23 +143,24 @@ class _TritonTreeConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # pylint: disable=arguments-differ
         # pylint: disable-next=import-outside-toplevel
-        from megatron.shared_prefix.ssm.triton_causal_conv import backward_rows
+        from megatron.shared_prefix.ssm.triton_causal_conv import (
+            backward_fixed,
+            backward_rows,
+            fixed_blocks,
+        )
 
         rows, weight, bias = ctx.saved_tensors
-        fixup, width, channels = ctx.fixup, weight.shape[1], weight.shape[0]
-        dx, sums = backward_rows(rows, grad, weight, bias, ctx.silu, skip=fixup.skip)
-        gathered, pre = _fixup_pre_activation(rows, fixup, weight, bias, torch.float32)
-        pre_grad = grad[fixup.tokens].float()  # [F, d]
-        if ctx.silu:
-            sigmoid = torch.sigmoid(pre)
-            pre_grad = pre_grad * sigmoid * (1 + pre * (1 - sigmoid))
-        sums[:, :width] += torch.einsum("fd,fkd->dk", pre_grad, gathered)
-        sums[:, width] += pre_grad.sum(0)
-        window_grads = pre_grad.unsqueeze(1) * weight.float().t().unsqueeze(0)  # [F, w, d]
-        window_grads = window_grads.reshape(-1, channels)[fixup.sources]  # [P, d]
-        added = torch.zeros(len(fixup.targets), channels, dtype=torch.float32, device=dx.device)
-        added.index_put_((fixup.target_slots,), window_grads, accumulate=True)
-        dx[fixup.targets] = (dx[fixup.targets].float() + added).to(dx.dtype)
+        fixup, width = ctx.fixup, weight.shape[1]
+        fixed_rows = fixed_blocks(fixup.tokens.shape[0])
+        dx, partial, grad = backward_rows(
+            rows, grad, weight, bias, ctx.silu, skip=fixup.skip, extra_rows=fixed_rows
+        )
+        backward_fixed(
+            rows, grad, weight, bias, ctx.silu, fixup.tokens, fixup.windows, fixup.targets,
+            fixup.target_starts, fixup.target_entries, fixup.max_target_entries, dx=dx,
+            partial=partial[partial.shape[0] - fixed_rows :],
+        )  # fmt: skip
+        sums = partial.sum(0)
         dweight = sums[:, :width].to(weight.dtype)
         dbias = None if bias is None else sums[:, width].to(bias.dtype)
         return dx, dweight, dbias, None, None
@@ -199,8 +216,8 @@ def tree_causal_conv1d(
 
     Returns:
         [1, T, d] in x's dtype: ``act(bias + sum_k weight[:, k] * x[token w-1-k steps back on the
-        root path])``. The Triton row conv and the fix-up compute in float32 (the fix-up in float64
-        for float64 inputs) and round once.
+        root path])``. The Triton conv computes in float32, the torch backend's fix-up in
+        float32 (float64 for float64 inputs), and both round once.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

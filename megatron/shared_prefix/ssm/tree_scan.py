@@ -426,11 +426,15 @@ def _compute_dtype(*tensors):
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit):
     """mamba_ssm's step size: ``clamp(softplus?(dt + dt_bias), *dt_limit)`` (softplus is the
-    identity above 20, as ``F.softplus``)."""
+    identity above 20, as ``F.softplus``). After the softplus, which is never negative, the default
+    limit (0, inf) is no clamp, and none runs: each op is an autograd node and a kernel forward
+    and backward."""
     if dt_bias is not None:
         dt = dt + dt_bias
     if dt_softplus:
         dt = F.softplus(dt)
+        if tuple(dt_limit) == _NO_DT_LIMIT:
+            return dt
     return dt.clamp(min=dt_limit[0], max=dt_limit[1])
 
 
@@ -507,8 +511,12 @@ def tree_ssd_scan(
     mamba_chunk_scan_combined = packed_chunk_scan(backend, x.device)  # torch_ssd's or mamba_ssm's
     plan = TreeScanPlan.of(forest)
     compute = _compute_dtype(x, dt, A, B, C, D, z, dt_bias)
+    # With a bias in the compute dtype, its add converts dt (the values of a conversion first).
     dt = process_dt(
-        dt.to(compute), None if dt_bias is None else dt_bias.to(compute), dt_softplus, dt_limit
+        dt.to(compute) if dt_bias is None else dt,
+        None if dt_bias is None else dt_bias.to(compute),
+        dt_softplus,
+        dt_limit,
     )
 
     # y0: zero initial state at every segment start (seq_idx changes there), D skip and gate fused.

@@ -1,10 +1,12 @@
 """Triton causal depthwise conv1d over a packed row, forward and backward, with the SiLU fused
 (upstream: megatron/core/ssm/ops).
 
-The tree conv (tree_conv.py) runs one ordinary causal conv over the whole packed row and then
-recomputes the first ``w - 1`` tokens of every segment from their root-path windows. This module is
-that ordinary conv for training: ``out[t, c] = act(bias[c] + sum_k weight[c, k] * x[t - (w-1) + k,
-c])`` (zeros before the row's first token), with the backward.
+The ordinary causal conv of a packed row for training: ``out[t, c] = act(bias[c] + sum_k
+weight[c, k] * x[t - (w-1) + k, c])`` (zeros before the row's first token), with the backward; and
+the tree conv's (tree_conv.py) variant, where the first ``w - 1`` tokens of every segment (the
+*fixed tokens*) read their root-path windows instead: the forward reads every token's taps from a
+[T, w] table (``tap_tokens``), and the backward is the row conv's, skipping the fixed tokens'
+output gradients, plus two small kernels for them (:func:`backward_fixed`).
 
 Why not PyTorch's: ``F.conv1d`` wants channels-first input, so Mamba's token-major ``xBC`` (a
 strided view of the input projection) is copied around it, the SiLU runs as separate kernels, and
@@ -22,11 +24,19 @@ writes:
 
 * ``dx[t - (w-1)] = sum_k weight[:, k] * g'[t - k]``, whose last term g'[t] is then known (the
   program walks ``w - 1`` tokens past its own for their g' only), zero past the row's end;
-* with a ``skip`` mask (the tree conv's fixed tokens, whose outputs the fix-up replaced), the
-  output gradient of a skipped token counts as zero, without a masked copy of the gradient;
+* with a ``skip`` mask (the tree conv's fixed tokens, whose taps were not the w - 1 tokens
+  before them), the output gradient of a skipped token counts as zero, without a masked copy of
+  the gradient;
 * at its end, partial sums over its own tokens of ``g'[t] * x[t - (w-1) + k]`` (weight) and
-  ``g'[t]`` (bias), added over programs in index order by ``torch.sum``: no atomics, so results
+  ``g'[t]`` (bias), added over programs by ``torch.sum`` (a fixed order): no atomics, so results
   are bitwise reproducible.
+
+The fixed tokens' backward (:func:`backward_fixed`): one program per block of fixed tokens and
+channels recomputes their pre-activations from their windows (the forward's order) and writes
+their ``g'`` and the block's weight and bias sums (further rows of the partial sums above); then
+one program per block of the distinct tokens their windows read adds, token by token, the
+entries that read it (``weight[:, k] * g'``, in index order) in float32 and adds that to dx,
+rounding once.
 
 An earlier backward, on tiles of tokens, recomputed g' for each of the ``w`` outputs that read a
 token and summed the weight gradients across every tile; it ran 5.7 times longer on an H100
@@ -46,15 +56,24 @@ BACKWARD_TOKENS = 128  # tokens one backward program walks
 BACKWARD_BLOCK_C = 128  # channels of a backward program
 BACKWARD_WARPS = 1  # a program is one warp: 4 channels per thread
 MAX_WIDTH = 4  # taps (Mamba's conv has 4): the backward holds the last four tokens in registers
+FIXED_BLOCK_F = 16  # fixed tokens (or targets) per program of the tree conv's window gradients
 MAX_OFFSET = 2**31 - 1  # the kernels compute element offsets in int32
 
 
 @triton.jit
-def _load_tap_input(x_ptr, rows, cols, col_mask, num_tokens, stride_x, WIDTH: tl.constexpr, k):
+def _load_tap_input(x_ptr, tap_tokens_ptr, rows, cols, col_mask, num_tokens, stride_x,
+                    WIDTH: tl.constexpr, HAS_TAP_TOKENS: tl.constexpr, k):  # fmt: skip
     """[BLOCK_T, BLOCK_C] float32 input that tap ``k`` multiplies for the outputs at ``rows``:
-    x[rows - (WIDTH - 1) + k], zero outside the row."""
-    source = rows - (WIDTH - 1) + k
-    mask = ((source >= 0) & (source < num_tokens))[:, None] & col_mask[None, :]
+    x[rows - (WIDTH - 1) + k], zero outside the row's ``num_tokens`` tokens; or with
+    HAS_TAP_TOKENS x[tap_tokens[rows, k]] (a [num_tokens, WIDTH] table of tokens of x, -1 for
+    zero)."""
+    if HAS_TAP_TOKENS:
+        source = tl.load(tap_tokens_ptr + rows * WIDTH + k, mask=rows < num_tokens, other=-1)
+        inside = source >= 0
+    else:
+        source = rows - (WIDTH - 1) + k
+        inside = (source >= 0) & (source < num_tokens)
+    mask = inside[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + source[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     return x.to(tl.float32)
 
@@ -62,6 +81,7 @@ def _load_tap_input(x_ptr, rows, cols, col_mask, num_tokens, stride_x, WIDTH: tl
 @triton.jit
 def _pre_activation(
     x_ptr,
+    tap_tokens_ptr,
     weight_ptr,
     bias_ptr,
     rows,
@@ -70,17 +90,20 @@ def _pre_activation(
     num_tokens,
     stride_x,
     WIDTH: tl.constexpr,
+    HAS_TAP_TOKENS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """[BLOCK_T, BLOCK_C] float32 ``bias + sum_k weight[:, k] * x[rows - (WIDTH-1) + k]``: the
-    bias first, then the taps in order (forward and backward add in the same order)."""
+    """[BLOCK_T, BLOCK_C] float32 ``bias + sum_k weight[:, k] * x[source of tap k]``
+    (``_load_tap_input``): the bias first, then the taps in order (forward and backward add in
+    the same order)."""
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     for k in tl.static_range(WIDTH):
-        x = _load_tap_input(x_ptr, rows, cols, col_mask, num_tokens, stride_x, WIDTH, k)
+        x = _load_tap_input(x_ptr, tap_tokens_ptr, rows, cols, col_mask, num_tokens, stride_x,
+                            WIDTH, HAS_TAP_TOKENS, k)  # fmt: skip
         tap = tl.load(weight_ptr + cols * WIDTH + k, mask=col_mask, other=0.0).to(tl.float32)
         acc += x * tap[None, :]
     return acc
@@ -89,6 +112,7 @@ def _pre_activation(
 @triton.jit(do_not_specialize=["num_tokens"])
 def _conv_forward_kernel(
     x_ptr,
+    tap_tokens_ptr,
     weight_ptr,
     bias_ptr,
     out_ptr,
@@ -96,6 +120,7 @@ def _conv_forward_kernel(
     channels,
     stride_x,
     WIDTH: tl.constexpr,
+    HAS_TAP_TOKENS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -105,8 +130,8 @@ def _conv_forward_kernel(
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < channels
     acc = _pre_activation(
-        x_ptr, weight_ptr, bias_ptr, rows, cols, col_mask, num_tokens, stride_x,
-        WIDTH, HAS_BIAS, BLOCK_T, BLOCK_C,
+        x_ptr, tap_tokens_ptr, weight_ptr, bias_ptr, rows, cols, col_mask, num_tokens, stride_x,
+        WIDTH, HAS_TAP_TOKENS, HAS_BIAS, BLOCK_T, BLOCK_C,
     )  # fmt: skip
     if SILU:
         acc = acc * tl.sigmoid(acc)
@@ -242,6 +267,101 @@ def _conv_backward_kernel(
     tl.store(base + WIDTH, bias_sum, mask=col_mask)
 
 
+@triton.jit(do_not_specialize=["num_tokens", "num_fixed"])
+def _fixed_grad_kernel(
+    x_ptr,
+    grad_ptr,
+    weight_ptr,
+    bias_ptr,
+    fixed_ptr,
+    windows_ptr,
+    fixed_grad_ptr,
+    partial_ptr,
+    num_tokens,
+    num_fixed,
+    channels,
+    stride_x,
+    stride_grad,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Program (block of fixed tokens, channel block): for the fixed tokens i of the block, the
+    pre-activation gradient g'[i] = g[fixed[i]] * act'(pre) with the pre-activation recomputed
+    from their windows (windows [F, WIDTH]: the token tap k reads, -1 for zero) in the forward's
+    order, written to fixed_grad [F, C] float32, and the block's partial sums over its tokens of
+    g' * x[window k] (weight tap k) and of g' (bias) to partial[block, c, :] ([blocks, C,
+    WIDTH + 1], the row conv's layout)."""
+    fixed = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < channels
+    fixed_mask = fixed < num_fixed
+    tokens = tl.load(fixed_ptr + fixed, mask=fixed_mask, other=num_tokens)
+    pre = _pre_activation(
+        x_ptr, windows_ptr, weight_ptr, bias_ptr, fixed, cols, col_mask, num_fixed, stride_x,
+        WIDTH, True, HAS_BIAS, BLOCK_F, BLOCK_C,
+    )  # fmt: skip
+    mask = fixed_mask[:, None] & col_mask[None, :]
+    grad = tl.load(grad_ptr + tokens[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0)
+    grad = grad.to(tl.float32)
+    if SILU:
+        sigmoid = tl.sigmoid(pre)
+        grad = grad * sigmoid * (1.0 + pre * (1.0 - sigmoid))
+    tl.store(fixed_grad_ptr + fixed[:, None] * channels + cols[None, :], grad, mask=mask)
+    base = partial_ptr + tl.program_id(0) * channels * (WIDTH + 1) + cols * (WIDTH + 1)
+    for k in tl.static_range(WIDTH):
+        x = _load_tap_input(x_ptr, windows_ptr, fixed, cols, col_mask, num_fixed, stride_x,
+                            WIDTH, True, k)  # fmt: skip
+        tl.store(base + k, tl.sum(grad * x, axis=0), mask=col_mask)
+    tl.store(base + WIDTH, tl.sum(grad, axis=0), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["num_targets", "max_entries"])
+def _fixed_input_grad_kernel(
+    dx_ptr,
+    fixed_grad_ptr,
+    weight_ptr,
+    targets_ptr,
+    target_starts_ptr,
+    target_entries_ptr,
+    num_targets,
+    max_entries,
+    channels,
+    WIDTH: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Program (block of targets, channel block): dx[targets[u]] += sum over the target's window
+    entries e = i * WIDTH + k (target_entries[target_starts[u]:target_starts[u + 1]], in that
+    order) of weight[:, k] * g'[i], summed in float32 and added to dx (contiguous [T, C]) with
+    one rounding. Targets are distinct tokens: each dx element has one program."""
+    slots = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < channels
+    slot_mask = slots < num_targets
+    first = tl.load(target_starts_ptr + slots, mask=slot_mask, other=0)
+    count = tl.load(target_starts_ptr + slots + 1, mask=slot_mask, other=0) - first
+    acc = tl.zeros((BLOCK_U, BLOCK_C), dtype=tl.float32)
+    for e in range(max_entries):
+        valid = e < count
+        entry = tl.load(target_entries_ptr + first + e, mask=valid, other=0)
+        mask = valid[:, None] & col_mask[None, :]
+        grad = tl.load(
+            fixed_grad_ptr + (entry // WIDTH)[:, None] * channels + cols[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        tap = tl.load(weight_ptr + cols[None, :] * WIDTH + (entry % WIDTH)[:, None], mask=mask)
+        acc += tap.to(tl.float32) * grad
+    tokens = tl.load(targets_ptr + slots, mask=slot_mask, other=0)
+    mask = slot_mask[:, None] & col_mask[None, :]
+    at = dx_ptr + tokens[:, None] * channels + cols[None, :]
+    dx = tl.load(at, mask=mask, other=0.0).to(tl.float32) + acc
+    tl.store(at, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 def offsets_fit(num_tokens: int, token_stride: int, channels: int) -> bool:
     """Whether the kernels' int32 offsets reach every element of a [T, C] row whose tokens are
     ``token_stride`` elements apart (and of the contiguous [T, C] outputs and gradients)."""
@@ -270,26 +390,39 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias) -> None:
         raise ValueError(f"bias must be [C={x.shape[1]}], got {tuple(bias.shape)}")
 
 
-def forward_rows(x, weight, bias, silu: bool) -> torch.Tensor:
+def forward_rows(x, weight, bias, silu: bool, tap_tokens=None) -> torch.Tensor:
     """[T, C] ``act(causal depthwise conv)`` of x [T, C] (unit channel stride), contiguous in x's
-    dtype: the forward kernel, no autograd."""
+    dtype: the forward kernel, no autograd. With ``tap_tokens`` ([T, w] int32 contiguous: the
+    token tap k reads for output t, -1 for zero), each output reads its taps there instead of
+    from the w - 1 tokens before it (the tree conv's root-path windows)."""
     _check(x, weight, bias)
     num_tokens, channels = x.shape
+    width = weight.shape[1]
+    if tap_tokens is not None and (
+        tuple(tap_tokens.shape) != (num_tokens, width) or tap_tokens.dtype != torch.int32
+    ):
+        raise ValueError(
+            f"tap_tokens must be int32 [{num_tokens}, {width}], got {tap_tokens.dtype} "
+            f"{tuple(tap_tokens.shape)}"
+        )
     out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))
     _conv_forward_kernel[grid](
-        x, weight.contiguous(), bias, out, num_tokens, channels, x.stride(0),
-        WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=bool(silu),
-        BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+        x, tap_tokens, weight.contiguous(), bias, out, num_tokens, channels, x.stride(0),
+        WIDTH=width, HAS_TAP_TOKENS=tap_tokens is not None, HAS_BIAS=bias is not None,
+        SILU=bool(silu), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
     )  # fmt: skip
     return out
 
 
-def backward_rows(x, grad, weight, bias, silu: bool, skip=None):
-    """(dx [T, C] in x's dtype, sums [C, w + 1] float32) of ``forward_rows`` for the output
-    gradient ``grad`` [T, C]: ``sums[:, k]`` is weight tap k's gradient and ``sums[:, w]`` the
-    bias's, not yet rounded (a caller may add more terms first). ``skip`` [T] uint8 (or None):
-    tokens whose output gradient counts as zero, without a masked copy of ``grad``."""
+def backward_rows(x, grad, weight, bias, silu: bool, skip=None, extra_rows: int = 0):
+    """(dx [T, C] in x's dtype, partial [programs + extra_rows, C, w + 1] float32, grad) of
+    ``forward_rows`` (without tap_tokens) for the output gradient ``grad`` [T, C]: ``partial[p,
+    :, k]`` is program p's part of weight tap k's gradient and ``partial[p, :, w]`` of the bias's,
+    to be summed over p (``torch.sum``: a fixed order) and rounded; the last ``extra_rows`` rows
+    are left to the caller to write its own parts in. ``skip`` [T] uint8 (or None): tokens whose
+    output gradient counts as zero, without a masked copy of ``grad``. The returned grad is the
+    one the kernel read (a contiguous copy where its layout did not fit)."""
     if grad.stride(1) != 1 or not offsets_fit(*grad.shape[:1], grad.stride(0), grad.shape[1]):
         grad = grad.contiguous()
     num_tokens, channels = x.shape
@@ -297,7 +430,9 @@ def backward_rows(x, grad, weight, bias, silu: bool, skip=None):
     programs = triton.cdiv(num_tokens, BACKWARD_TOKENS)
     dx = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     # Every element is written by its program (masked channels are never read).
-    partial = torch.empty(programs, channels, width + 1, dtype=torch.float32, device=x.device)
+    partial = torch.empty(
+        programs + extra_rows, channels, width + 1, dtype=torch.float32, device=x.device
+    )
     grid = (programs, triton.cdiv(channels, BACKWARD_BLOCK_C))
     _conv_backward_kernel[grid](
         x, grad, weight.contiguous(), bias, dx, partial, skip, num_tokens, channels, x.stride(0),
@@ -305,7 +440,42 @@ def backward_rows(x, grad, weight, bias, silu: bool, skip=None):
         HAS_SKIP=skip is not None, TOKENS=BACKWARD_TOKENS, BLOCK_C=BACKWARD_BLOCK_C,
         num_warps=BACKWARD_WARPS,
     )  # fmt: skip
-    return dx, partial.sum(0)  # the programs in index order
+    return dx, partial, grad
+
+
+def fixed_blocks(num_fixed: int) -> int:
+    """Rows of partial sums that :func:`backward_fixed` writes for ``num_fixed`` fixed tokens."""
+    return triton.cdiv(num_fixed, FIXED_BLOCK_F)
+
+
+def backward_fixed(x, grad, weight, bias, silu: bool, fixed, windows, targets, target_starts,
+                   target_entries, max_entries: int, *, dx, partial):  # fmt: skip
+    """The gradients through the outputs ``forward_rows`` computed from ``tap_tokens`` windows:
+    the fixed tokens ``fixed`` [F] (int64), whose taps read ``windows`` [F, w] (int64, -1 for
+    zero) and whose output gradients the row backward skipped. Adds the windows' input gradients
+    into dx ([T, C] contiguous, in place) at the distinct tokens they read, ``targets`` [U]
+    (int64; ``target_entries[target_starts[u]:target_starts[u + 1]]``, int64, are the flat
+    window entries i * w + k that read target u, at most ``max_entries`` of them), and writes the
+    weight and bias gradients' parts into partial [fixed_blocks(F), C, w + 1] (a view of the rows
+    ``backward_rows`` left). grad: as ``backward_rows`` returned it."""
+    num_tokens, channels = x.shape
+    width, num_fixed, num_targets = weight.shape[1], fixed.shape[0], targets.shape[0]
+    if num_fixed == 0:
+        return
+    # g' of every fixed token, written by the first kernel and read by the second.
+    fixed_grad = torch.empty(num_fixed, channels, dtype=torch.float32, device=x.device)
+    weight = weight.contiguous()
+    _fixed_grad_kernel[(fixed_blocks(num_fixed), triton.cdiv(channels, BLOCK_C))](
+        x, grad, weight, bias, fixed, windows, fixed_grad, partial, num_tokens, num_fixed,
+        channels, x.stride(0), grad.stride(0), WIDTH=width, HAS_BIAS=bias is not None,
+        SILU=bool(silu), BLOCK_F=FIXED_BLOCK_F, BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    if num_targets:
+        _fixed_input_grad_kernel[(triton.cdiv(num_targets, FIXED_BLOCK_F), triton.cdiv(
+            channels, BLOCK_C))](
+            dx, fixed_grad, weight, targets, target_starts, target_entries, num_targets,
+            max_entries, channels, WIDTH=width, BLOCK_U=FIXED_BLOCK_F, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
 
 
 class RowCausalConv(torch.autograd.Function):
@@ -325,7 +495,8 @@ class RowCausalConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # pylint: disable=arguments-differ
         x, weight, bias = ctx.saved_tensors
-        dx, sums = backward_rows(x, grad, weight, bias, ctx.silu)
+        dx, partial, _ = backward_rows(x, grad, weight, bias, ctx.silu)
+        sums = partial.sum(0)
         width = weight.shape[1]
         dweight = sums[:, :width].to(weight.dtype)
         dbias = None if bias is None else sums[:, width].to(bias.dtype)

@@ -125,11 +125,23 @@ def test_only_segment_heads_are_recomputed(forest_sequences):
     assert np.array_equal(fixup.tokens.numpy(), expected)
     assert torch.equal(fixup.windows[:, -1], fixup.tokens)
     assert torch.equal(fixup.skip.nonzero()[:, 0], fixup.tokens)
-    # The present entries, and the distinct tokens they read, in the order the backward adds.
+    # The Triton forward's taps: the w - 1 tokens before each token and itself, or its window.
+    tokens = torch.arange(layout.num_tokens)
+    expected_taps = tokens[:, None] - 3 + torch.arange(4)
+    expected_taps[fixup.tokens] = fixup.windows
+    assert fixup.tap_tokens.dtype == torch.int32
+    assert torch.equal(fixup.tap_tokens.long(), expected_taps)
+    # The present entries by the distinct token they read, in index order within a target: the
+    # order the Triton backward adds their gradients in.
     entries = fixup.windows.reshape(-1)
-    assert torch.equal(fixup.sources, (entries >= 0).nonzero()[:, 0])
-    assert torch.equal(fixup.targets[fixup.target_slots], entries[fixup.sources])
     assert torch.equal(fixup.targets, entries[entries >= 0].unique())
+    starts = fixup.target_starts.tolist()
+    assert starts[0] == 0 and starts[-1] == int((entries >= 0).sum())
+    for target, first, end in zip(fixup.targets.tolist(), starts, starts[1:]):
+        expected_entries = (entries == target).nonzero()[:, 0]
+        assert torch.equal(fixup.target_entries[first:end], expected_entries)
+    assert fixup.max_target_entries == max(b - a for a, b in zip(starts, starts[1:]))
+    assert fixup.max_target_entries > 1  # a parent's tail is read by several children
     assert forest.derive(("tree_conv_fixup", 4), lambda: None) is not None  # cached on the forest
 
 

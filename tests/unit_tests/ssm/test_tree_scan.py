@@ -258,6 +258,33 @@ def test_bf16_inputs_give_bf16_output():
     assert all(t.grad is not None for t in leaves(inputs).values())
 
 
+def test_step_sizes_skip_only_the_clamp_that_cannot_act():
+    """The step size from a bf16 projection and a float32 bias: one add (which converts dt) and
+    the softplus, with no clamp node for the default limit (the softplus is never negative), the
+    values and the gradient of converting, adding, softplus and clamping; a real limit clamps."""
+    torch.manual_seed(0)
+    raw = (torch.randn(64, 8) * 10).to(torch.bfloat16).requires_grad_()
+    bias = torch.randn(8).requires_grad_()
+    steps = tree_scan.process_dt(raw, bias, True, (0.0, math.inf))
+    nodes, stack = set(), [steps.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack += [parent for parent, _ in node.next_functions]
+    names = sorted(type(node).__name__ for node in nodes)
+    assert not any("Clamp" in name or "ToCopy" in name for name in names), names
+    expected = torch.nn.functional.softplus(raw.float() + bias).clamp(min=0.0, max=math.inf)
+    assert steps.dtype == torch.float32 and torch.equal(steps, expected)
+    probe = torch.randn(64, 8)
+    grads = torch.autograd.grad((steps * probe).sum(), (raw, bias))
+    expected_grads = torch.autograd.grad((expected * probe).sum(), (raw, bias))
+    for actual, wanted in zip(grads, expected_grads):
+        assert actual.dtype == wanted.dtype and torch.equal(actual, wanted)
+    limited = tree_scan.process_dt(raw.float(), bias, True, (0.5, 2.0))
+    assert float(limited.min()) == 0.5 and float(limited.max()) == 2.0
+
+
 def test_rejects_bad_arguments():
     layout, forest = make_forest(SHORT_CHAIN)
     inputs = scan_inputs(layout.num_tokens)

@@ -158,6 +158,32 @@ def mixer_errors():
     return [rel_err(a, b) for a, b in zip(results["triton"], results["torch"])]
 
 
+def tap_table_gives_the_row_conv_bits(device, dtype) -> None:
+    """``forward_rows`` with the tap table of a plain row (each token's w - 1 predecessors and
+    itself, -1 before the row) writes the bits of the row conv without a table; a table that
+    moves a token's taps (a segment head's window elsewhere) changes that token alone."""
+    from megatron.shared_prefix.ssm.triton_causal_conv import forward_rows
+
+    generator = torch.Generator().manual_seed(11)
+    tokens, channels, width = BACKWARD_TOKENS + 9, 37, 4
+    x = torch.randn(tokens, channels + 3, generator=generator).to(device=device, dtype=dtype)
+    x = x[:, 1 : 1 + channels]  # a strided row, as xBC is
+    weight = torch.randn(channels, width, generator=generator).to(device=device, dtype=dtype)
+    bias = torch.randn(channels, generator=generator).to(device=device, dtype=dtype)
+    taps = torch.arange(tokens)[:, None] - (width - 1) + torch.arange(width)
+    taps = taps.clamp(min=-1).to(device=device, dtype=torch.int32)
+    plain = forward_rows(x, weight, bias, True)
+    assert torch.equal(forward_rows(x, weight, bias, True, tap_tokens=taps), plain)
+    moved = taps.clone()
+    moved[50] = torch.tensor([-1, 3, 9, 50], dtype=torch.int32)
+    out = forward_rows(x, weight, bias, True, tap_tokens=moved)
+    changed = (out != plain).any(dim=1).nonzero()[:, 0].tolist()
+    assert changed == [50], changed
+    window = x[[3, 9, 50]].float() * weight[:, 1:].float().T
+    expected = F.silu(bias.float() + window.sum(0))
+    assert rel_err(out[50], expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def interpreted_checks():
     """Run in the TRITON_INTERPRET=1 subprocess: every row case, the tree conv and a mixer on
     each backend, float32."""
@@ -169,6 +195,7 @@ def interpreted_checks():
         assert max(errors) <= FP32_TOLERANCE, (case, errors)
     errors = mixer_errors()
     assert max(errors) <= FP32_TOLERANCE, errors
+    tap_table_gives_the_row_conv_bits("cpu", torch.float32)
     print("interpreted row conv, tree conv and mixer within", FP32_TOLERANCE)
 
 
@@ -191,6 +218,11 @@ def test_rejects_bad_inputs_before_launching():
         row_causal_conv1d(x, weight, torch.randn(5))
     with pytest.raises(ValueError, match="dtype"):
         row_causal_conv1d(x.double(), weight.double())
+    from megatron.shared_prefix.ssm.triton_causal_conv import forward_rows
+
+    for taps in (torch.zeros(8, 4, dtype=torch.int64), torch.zeros(8, 3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="tap_tokens must be int32 \\[8, 4\\]"):
+            forward_rows(x, weight, None, True, tap_tokens=taps)
     _, forest = crossing_forest("cpu")
     with pytest.raises(ValueError, match="backend"):
         tree_causal_conv1d(torch.randn(1, forest.num_tokens, 6), weight, None, forest, None, "cuda")
@@ -243,6 +275,7 @@ def test_compiled_kernels_match_torch_backend(dtype, tolerance):
     for case in ROW_CASES:
         errors = row_errors(*case, "cuda", dtype)
         assert max(errors) <= tolerance, (case, errors)
+    tap_table_gives_the_row_conv_bits("cuda", dtype)
 
 
 if __name__ == "__main__":  # run by test_interpreted_kernels_match_dense_conv_and_oracle

@@ -218,14 +218,15 @@ ENTRIES = [
         kind="pure PyTorch",
         training_path=True,
         notes=(
-            "The row conv (F.conv1d and SiLU, or on CUDA the Triton row conv, entry "
-            "row_causal_conv1d) plus root-path window gathers for segment heads, written into the "
-            "row conv's output with a non-accumulating index_put_. Backward, torch backend: the "
-            "gather's autograd backward accumulates into parent tails; Triton backend (one "
-            "autograd node): the windows' float32 gradients are added per distinct token read "
-            "by index_put_ with accumulation (sorted indices on CUDA), then into the row conv's "
-            "dx with a non-accumulating index_put_ of distinct tokens. GPU replay with both row "
-            "convs."
+            "Torch backend: F.conv1d and SiLU over the row plus root-path window gathers for "
+            "segment heads, written into the row conv's output with a non-accumulating "
+            "index_put_; the gather's autograd backward accumulates into parent tails. Triton "
+            "backend (one autograd node, kernels in entry row_causal_conv1d): the forward reads "
+            "every token's taps from a per-forest table holding the segment heads' windows; the "
+            "backward skips the heads in the row walk, then computes their pre-activation "
+            "gradients and the windows' weight and bias parts (extra rows of the row backward's "
+            "partial sums) and adds the windows' input gradients per distinct token read, its "
+            "entries in a fixed order, into dx. GPU replay with both row convs."
         ),
     ),
     KernelEntry(
@@ -243,7 +244,9 @@ ENTRIES = [
             "(the tree conv's row conv on CUDA). Every output and input-gradient element is "
             "written by one program; the weight and bias gradients are per-program float32 "
             "partial sums over fixed token ranges, added by torch.sum over the programs; no "
-            "atomics. GPU replay on a depth-3 row and a 4300-token star (several backward "
+            "atomics. The tree conv's segment-head kernels: one program per block of heads "
+            "(their partial sums are further rows of that sum), then one per block of distinct "
+            "tokens their windows read, adding each token's entries in index order. GPU replay on a depth-3 row and a 4300-token star (several backward "
             "programs); on CPU the interpreted kernels are checked against float64 F.conv1d and "
             "the sequential oracle (tests/unit_tests/ssm)."
         ),

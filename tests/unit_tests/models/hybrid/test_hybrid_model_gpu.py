@@ -107,8 +107,10 @@ def test_forest_tables_reach_the_gpu_without_synchronizing(forest_sequences):
         if isinstance(ours, torch.Tensor):
             assert torch.equal(ours.cpu(), theirs)
     cpu_fixup = _fixup_windows(cpu, 4)
-    for name in ("tokens", "windows", "skip", "sources", "targets", "target_slots"):
+    names = ("tokens", "windows", "skip", "tap_tokens", "targets", "target_starts")
+    for name in (*names, "target_entries"):
         assert torch.equal(getattr(fixup, name).cpu(), getattr(cpu_fixup, name)), name
+    assert fixup.max_target_entries == cpu_fixup.max_target_entries
     for depth, cpu_depth in zip(depths, _mtp_depths(mtp_model, cpu), strict=True):
         assert torch.equal(depth.input_index.cpu(), cpu_depth.input_index)
         assert torch.equal(depth.main_edge_slot.cpu(), cpu_depth.main_edge_slot)
