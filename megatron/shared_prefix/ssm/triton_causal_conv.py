@@ -353,7 +353,9 @@ def _fixed_input_grad_kernel(
             mask=mask,
             other=0.0,
         )
-        tap = tl.load(weight_ptr + cols[None, :] * WIDTH + (entry % WIDTH)[:, None], mask=mask)
+        tap = tl.load(
+            weight_ptr + cols[None, :] * WIDTH + (entry % WIDTH)[:, None], mask=mask, other=0.0
+        )
         acc += tap.to(tl.float32) * grad
     tokens = tl.load(targets_ptr + slots, mask=slot_mask, other=0)
     mask = slot_mask[:, None] & col_mask[None, :]
