@@ -26,6 +26,7 @@ from megatron.shared_prefix.ssm.tree_scan import (  # noqa: E402
     TREE_SCAN_BACKENDS,
     packed_chunk_scan,
     prepare_tree_scan,
+    split_channels,
     tree_ssd_scan,
 )
 from megatron.shared_prefix.tensors import ForestTable, ForestTensors, current_forest  # noqa: E402
@@ -180,10 +181,7 @@ class TreeMambaMixer(MambaMixer):
             activation=self.activation,
             backend=self.tree_conv_backend,
         )
-        x, B, C = xBC.split([inner, groups * state, groups * state], dim=-1)
-        x = x.reshape(1, length, heads, self.headdim).contiguous()
-        B = B.reshape(1, length, groups, state).contiguous()
-        C = C.reshape(1, length, groups, state).contiguous()
+        x, B, C = split_channels(xBC, heads, self.headdim, groups, state)  # views, no copies
         # z stays a view of the projection (strided rows, unit channel stride), as in megatron-core's
         # unfused path: a contiguous copy would be a second [T, d_inner] tensor kept for backward.
         z = z.reshape(1, length, heads, self.headdim)

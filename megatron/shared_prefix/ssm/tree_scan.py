@@ -101,13 +101,15 @@ def triton_chunk_scan():
 
 _SCAN_FORWARD_ARGS = ("x", "dt", "A", "B", "C", "chunk_size")
 _SCAN_BACKWARD_ARGS = ("dout", "x", "dt", "A", "B", "C", "out", "chunk_size")
+_SCAN_BACKWARD_BUFFERS = ("dx", "dB", "dC")  # gradient buffers it writes into when given
 
 
 def scan_functions(scan, scan_kwargs: Optional[dict] = None):
     """mamba_ssm's (forward, backward) functions behind ``scan`` when ``scan`` is its Triton
     ``mamba_chunk_scan_combined`` and the module has them with the leading arguments that
     ``_ForkedChunkScan`` passes (mamba_ssm 2.3) and the keywords D, z, seq_idx and those of
-    ``scan_kwargs``; else None (the stock scan runs, with the torch correction)."""
+    ``scan_kwargs`` (the backward also dx, dB and dC: the buffers it writes the gradients into);
+    else None (the stock scan runs, with the torch correction)."""
     module = sys.modules.get(getattr(scan, "__module__", None) or "")
     if module is None or scan is not getattr(module, "mamba_chunk_scan_combined", None):
         return None
@@ -117,7 +119,7 @@ def scan_functions(scan, scan_kwargs: Optional[dict] = None):
     )
     keywords = ("D", "z", "seq_idx", *sorted(scan_kwargs or {}))
     if _takes(functions[0], _SCAN_FORWARD_ARGS, keywords) and _takes(
-        functions[1], _SCAN_BACKWARD_ARGS, keywords
+        functions[1], _SCAN_BACKWARD_ARGS, keywords + _SCAN_BACKWARD_BUFFERS
     ):
         return functions
     return None
@@ -165,6 +167,11 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
     internal segments runs the scan alone, its outputs and gradients bitwise mamba_ssm's stock
     function's.
 
+    When x, B and C are the adjacent channel views of one [1, T, h*p + 2*g*n] tensor that
+    :func:`split_channels` gives (the conv output in the mixer), mamba_ssm's backward writes their
+    gradients into the matching views of one buffer of that layout, which the split's backward
+    then passes on as the whole tensor's gradient without a concatenation.
+
     Inputs: x [1, T, h, p], dt [1, T, h] float32 (processed: no bias, no softplus), A [h]
     float32, B and C [1, T, g, n], D, z [1, T, h, p] or None, the forest, chunk_size, and
     mamba_ssm's (forward, backward) of :func:`scan_functions`, then keyword arguments of both.
@@ -175,6 +182,7 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
     def forward(ctx, x, dt, A, B, C, D, z, forest, chunk_size, functions, scan_kwargs):
         scan_forward, ctx.scan_backward = functions
         ctx.chunk_size, ctx.scan_kwargs = chunk_size, scan_kwargs
+        ctx.joint_grads = _channels_of(x, B, C) is not None
         plan = TreeScanPlan.of(forest)
         ctx.fork, fork_saved = None, ()
         if plan.internal:
@@ -203,6 +211,7 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
                 fork_states = ctx.fork.backward_states(
                     grad_y[0], fork_saved, z0, dt[0], A, C[0], B.dtype
                 )
+        buffers = _joint_channel_grads(x, B, C) if ctx.joint_grads else {}
         # The output argument: with z, the ungated output; without, only its shape (x's) is read.
         grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, *_ = ctx.scan_backward(
             grad_y,
@@ -216,6 +225,7 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
             D=D,
             z=z,
             seq_idx=seq_idx,
+            **buffers,
             **ctx.scan_kwargs,
         )
         if ctx.fork is not None:
@@ -238,6 +248,90 @@ class _ForkedChunkScan(torch.autograd.Function):  # pylint: disable=abstract-met
             )
             grad_A = grad_A + fork_grad_A.to(grad_A.dtype)
         return grad_x, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, None, None, None, None
+
+
+def split_channels(xBC: torch.Tensor, heads: int, head_dim: int, groups: int, state_dim: int):
+    """xBC [1, T, h*p + 2*g*n] -> views (x [1, T, h, p], B [1, T, g, n], C [1, T, g, n]) of its
+    channels, in that order: no copies when xBC's channels are contiguous (mamba_ssm's kernels
+    read rows of any stride whose channels are), else one. The gradient of xBC is the one buffer
+    that the tree scan writes the three gradients into when it can (``_ForkedChunkScan``), else
+    their concatenation."""
+    if xBC.dim() == 3 and xBC.stride(-1) != 1:
+        xBC = xBC.contiguous()  # PyTorch's conv1d gives [1, T, channels] with strided channels
+    return _SplitChannels.apply(xBC, heads, head_dim, groups, state_dim)
+
+
+class _SplitChannels(torch.autograd.Function):  # pylint: disable=abstract-method
+    """:func:`split_channels` (torch's split would concatenate the gradients in every case)."""
+
+    @staticmethod
+    # pylint: disable-next=arguments-differ
+    def forward(ctx, xBC, heads, head_dim, groups, state_dim):
+        width = heads * head_dim + 2 * groups * state_dim
+        if xBC.dim() != 3 or xBC.shape[0] != 1 or xBC.shape[-1] != width:
+            raise ValueError(
+                f"split_channels expects [1, T, {width}] (h={heads}, p={head_dim}, g={groups}, "
+                f"n={state_dim}), got {tuple(xBC.shape)}"
+            )
+        return _channel_views(xBC, heads, head_dim, groups, state_dim)
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_B, grad_C):  # pylint: disable=arguments-differ
+        whole = _channels_of(grad_x, grad_B, grad_C)
+        if whole is None:
+            whole = torch.cat([grad.flatten(2) for grad in (grad_x, grad_B, grad_C)], dim=-1)
+        return whole, None, None, None, None
+
+
+def _channel_views(xBC, heads, head_dim, groups, state_dim):
+    x, B, C = xBC.split([heads * head_dim, groups * state_dim, groups * state_dim], dim=-1)
+    return (
+        x.unflatten(-1, (heads, head_dim)),
+        B.unflatten(-1, (groups, state_dim)),
+        C.unflatten(-1, (groups, state_dim)),
+    )
+
+
+def _channels_of(x, B, C) -> Optional[torch.Tensor]:
+    """The [1, T, h*p + 2*g*n] tensor whose adjacent channel views x [1, T, h, p], B and C
+    [1, T, g, n] are (as :func:`split_channels` makes them), with channels contiguous; None when
+    they are not such views (separate tensors, other strides, a gap or another order)."""
+    if x is None or B is None or C is None:
+        return None
+    _, length, heads, head_dim = x.shape
+    groups, state_dim = B.shape[-2:]
+    x_width, bc_width = heads * head_dim, groups * state_dim
+    width = x_width + 2 * bc_width
+    views = (
+        (x, (width, head_dim, 1), 0),
+        (B, (width, state_dim, 1), x_width),
+        (C, (width, state_dim, 1), x_width + bc_width),
+    )
+    storage = x.untyped_storage().data_ptr()
+    start = x.storage_offset()
+    for view, strides, channel in views:
+        if (
+            view.dtype != x.dtype
+            or view.device != x.device
+            or view.untyped_storage().data_ptr() != storage
+            or view.storage_offset() != start + channel
+            or (length > 1 and view.stride()[1:] != strides)
+            or (length == 1 and view.stride()[2:] != strides[1:])
+        ):
+            return None
+    return x.as_strided((1, length, width), (length * width, width, 1), start)
+
+
+def _joint_channel_grads(x, B, C) -> dict:
+    """mamba_ssm's dx, dB and dC gradient buffers as the adjacent channel views of one new
+    [1, T, h*p + 2*g*n] tensor: what :func:`split_channels`' backward passes on whole."""
+    _, length, heads, head_dim = x.shape
+    groups, state_dim = B.shape[-2:]
+    whole = torch.empty(
+        (1, length, heads * head_dim + 2 * groups * state_dim), dtype=x.dtype, device=x.device
+    )
+    dx, dB, dC = _channel_views(whole, heads, head_dim, groups, state_dim)
+    return {"dx": dx, "dB": dB, "dC": dC}
 
 
 _FORK_STREAMS: dict = {}

@@ -241,6 +241,50 @@ def test_without_internal_segments_it_is_the_packed_scan():
     assert torch.equal(tree_ssd_scan(chunk_size=4, forest=forest, **inputs), expected)
 
 
+def channel_hook(tensor):
+    """A list that receives ``tensor``'s gradient when autograd computes it."""
+    captured = []
+    tensor.register_hook(captured.append)
+    return captured
+
+
+def test_split_channels_are_views_and_pass_on_a_joint_gradient_whole():
+    """x, B and C are views of the conv output's channels; their gradients reach it as one tensor:
+    the buffer itself when they are its adjacent views (as the forked scan writes them), else
+    their concatenation. Other layouts are not taken for a joint buffer."""
+    heads, head_dim, groups, state_dim, length = 3, 2, 2, 4, 5
+    width = heads * head_dim + 2 * groups * state_dim
+    leaf = torch.randn(1, length, width, dtype=torch.float64, requires_grad=True)
+    xBC = leaf * 1.0
+    x, B, C = tree_scan.split_channels(xBC, heads, head_dim, groups, state_dim)
+    assert (x.shape, B.shape, C.shape) == ((1, length, 3, 2), (1, length, 2, 4), (1, length, 2, 4))
+    assert all(t.untyped_storage().data_ptr() == xBC.untyped_storage().data_ptr() for t in (B, C))
+    assert torch.equal(torch.cat([x.flatten(2), B.flatten(2), C.flatten(2)], dim=-1), xBC)
+    assert tree_scan._channels_of(x, B, C).data_ptr() == xBC.data_ptr()
+
+    joint = torch.randn(1, length, width, dtype=torch.float64)
+    grads = tree_scan._channel_views(joint, heads, head_dim, groups, state_dim)
+    captured = channel_hook(xBC)
+    torch.autograd.backward((x, B, C), grads)
+    assert captured[0].data_ptr() == joint.data_ptr() and torch.equal(captured[0], joint)
+    assert torch.equal(leaf.grad, joint)
+
+    separate = [g.clone() for g in grads]
+    x, B, C = tree_scan.split_channels(leaf * 1.0, heads, head_dim, groups, state_dim)
+    leaf.grad = None
+    torch.autograd.backward((x, B, C), separate)
+    assert torch.equal(leaf.grad, joint)
+
+    assert tree_scan._channels_of(*separate) is None
+    x, B, C = tree_scan._channel_views(joint, heads, head_dim, groups, state_dim)
+    assert tree_scan._channels_of(x, C, B) is None  # another order
+    assert tree_scan._channels_of(x, B, B) is None
+    wider = torch.randn(1, length, width + 1, dtype=torch.float64)
+    assert tree_scan._channels_of(*tree_scan._channel_views(wider[..., :width], 3, 2, 2, 4)) is None
+    with pytest.raises(ValueError, match="split_channels expects"):
+        tree_scan.split_channels(wider, heads, head_dim, groups, state_dim)
+
+
 def test_bf16_inputs_give_bf16_output():
     layout, forest = make_forest(SHORT_CHAIN * 2 + [[1, 2, 3, 4, 5, 6, 11, 12, 13]])
     inputs = scan_inputs(layout.num_tokens, groups=2, dtype=torch.bfloat16)
@@ -549,6 +593,46 @@ def test_forked_scan_of_a_row_of_roots_is_mamba_ssm_scan(forest_sequences, dtype
 
 @pytest.mark.gpu
 @needs_triton_scan
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "roots"])
+def test_channel_views_give_the_bits_of_contiguous_inputs(forest_sequences, monkeypatch, tree):
+    """x, B and C as channel views of one tensor (the mixer's conv output, ``split_channels``):
+    the forked scan's output and every gradient bitwise those of contiguous copies, and the
+    tensor's gradient is the one buffer mamba_ssm's backward wrote x's, B's and C's into."""
+    sequences, layout, forest = gpu_forest(forest_sequences)
+    if not tree:
+        roots = [np.concatenate([[10**6 + k], s]) for k, s in enumerate(sequences)]
+        layout, forest = make_forest(roots, pad_multiple=64, device="cuda")
+    inputs = gpu_inputs(layout.num_tokens, torch.bfloat16)
+    heads, head_dim = inputs["x"].shape[-2:]
+    groups, state_dim = inputs["B"].shape[-2:]
+    channels = [inputs[name].detach().flatten(2) for name in ("x", "B", "C")]
+    xBC_leaf = torch.cat(channels, dim=-1).requires_grad_()
+    probe = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(7)).cuda()
+    written = []
+    joint_grads = tree_scan._joint_channel_grads
+    monkeypatch.setattr(
+        tree_scan, "_joint_channel_grads", lambda *a: written.append(joint_grads(*a)) or written[-1]
+    )
+
+    xBC = xBC_leaf * 1
+    captured = channel_hook(xBC)
+    x, B, C = tree_scan.split_channels(xBC, heads, head_dim, groups, state_dim)
+    viewed = tree_ssd_scan(chunk_size=64, forest=forest, **{**inputs, "x": x, "B": B, "C": C})
+    others = {k: v for k, v in leaves(inputs).items() if k not in ("x", "B", "C")}
+    viewed_grads = torch.autograd.grad((viewed.float() * probe).sum(), [xBC_leaf, *others.values()])
+    assert len(written) == 1 and captured[0].data_ptr() == written[0]["dx"].data_ptr()
+
+    contiguous = tree_ssd_scan(chunk_size=64, forest=forest, **inputs)
+    assert torch.equal(viewed, contiguous)
+    grads = grads_of(contiguous.float(), inputs, probe)
+    assert len(written) == 1  # separate inputs: mamba_ssm allocates its own buffers
+    assert torch.equal(viewed_grads[0], torch.cat([grads[k].flatten(2) for k in "xBC"], dim=-1))
+    for name, got in zip(others, viewed_grads[1:]):
+        assert torch.equal(got, grads[name]), name
+
+
+@pytest.mark.gpu
+@needs_triton_scan
 def test_forked_states_keep_little_more_per_token_than_a_row_of_roots(forest_sequences):
     """Memory of the forked states: per token, the Triton tree scan of a depth-3 forest keeps for
     backward (its output included) at most what a row of the same sequences as separate roots
@@ -578,8 +662,8 @@ def test_forked_states_keep_little_more_per_token_than_a_row_of_roots(forest_seq
 def test_forked_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeypatch):
     """``scan_functions`` returns mamba_ssm's (forward, backward) only for the module's own
     ``mamba_chunk_scan_combined`` and only when both functions take the leading arguments that
-    ``_ForkedChunkScan`` passes and the keywords of the scan's options; otherwise None, and the
-    stock scan runs."""
+    ``_ForkedChunkScan`` passes and the keywords of the scan's options (and the backward the
+    gradient buffers); otherwise None, and the stock scan runs."""
     import sys
     import types
 
@@ -589,7 +673,13 @@ def test_forked_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeypa
     def forward(x, dt, A, B, C, chunk_size, D=None, z=None, seq_idx=None):
         return None
 
-    def backward(dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, seq_idx=None):
+    def backward(
+        dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, seq_idx=None, dx=None, dB=None,
+        dC=None,
+    ):
+        return None
+
+    def bufferless_backward(dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, seq_idx=None):
         return None
 
     def renamed_backward(dout, x, dt, A, B, C, chunk_size, out, D=None, z=None, seq_idx=None):
@@ -612,7 +702,7 @@ def test_forked_scan_is_chosen_only_for_mamba_ssm_functions_it_can_call(monkeypa
     assert tree_scan.scan_functions(scan, {"state_dtype": None}) is None  # an option they lack
     assert tree_scan.scan_functions(lambda *a, **k: None) is None  # not the module's
     assert tree_scan.scan_functions(torch_ssd.mamba_chunk_scan_combined) is None
-    for other in (renamed_backward, ungated_backward):
+    for other in (renamed_backward, ungated_backward, bufferless_backward):
         monkeypatch.setattr(module, "_mamba_chunk_scan_combined_bwd", other)
         assert tree_scan.scan_functions(scan) is None
     monkeypatch.delattr(module, "_mamba_chunk_scan_combined_bwd")

@@ -125,25 +125,39 @@ def test_tree_conv_replay(device, backend, row):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("gate", [True, False], ids=["z", "no-z"])
+@pytest.mark.parametrize(
+    "gate, channel_views",
+    [(True, False), (False, False), (True, True)],
+    ids=["z", "no-z", "z-channel-views"],
+)
 @pytest.mark.parametrize("row", sorted(FORESTS))
-def test_tree_scan_replay(device, gate, row, monkeypatch):
+def test_tree_scan_replay(device, gate, channel_views, row, monkeypatch):
+    """channel_views: x, B and C are views of one tensor's channels (``split_channels``, as the
+    mixer passes them), whose gradient is then the one buffer the scan's backward writes."""
     forest = FORESTS[row](device)
     length = forest.num_tokens
+    width = HEADS * HEADDIM + 2 * GROUPS * STATE
 
     def make_inputs():
+        if channel_views:  # x, B, C: the whole [1, T, width] tensor, None, None
+            x, B, C = _param(1, length, width, device=device), None, None
+        else:
+            x = _param(1, length, HEADS, HEADDIM, device=device)
+            B, C = (_param(1, length, GROUPS, STATE, device=device) for _ in range(2))
         return (
-            _param(1, length, HEADS, HEADDIM, device=device),  # x
+            x,
             _param(1, length, HEADS, device=device, scale=0.5, shift=-1.0),  # dt
             (-torch.rand(HEADS, device=device) - 0.5).requires_grad_(),  # A < 0
-            _param(1, length, GROUPS, STATE, device=device),  # B
-            _param(1, length, GROUPS, STATE, device=device),  # C
+            B,
+            C,
             _param(HEADS, device=device),  # D
             _param(1, length, HEADS, HEADDIM, device=device),  # z
             _param(HEADS, device=device, scale=0.3),  # dt_bias
         )
 
     def scan(tables, x, dt, A, B, C, D, z, dt_bias):
+        if channel_views:  # x is the whole [1, T, width] tensor
+            x, B, C = tree_scan.split_channels(x, HEADS, HEADDIM, GROUPS, STATE)
         return tree_ssd_scan(
             x,
             dt,
