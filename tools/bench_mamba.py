@@ -35,15 +35,27 @@ the tree row and the dense varlen row of each forest: PyTorch's F.conv1d, the Tr
 megatron-core 0.19.2's Triton ``causal_conv1d_varlen_fn`` (forward only: it has no backward; on the
 tree row with the segments as its sequences and the parents' tails as their initial states).
 
+``--host-stages`` times the host instead: each forward+backward of the tree and of the same-token
+varlen layer is queued behind a sleep kernel, so the host never waits for the GPU, and the host
+time of the call and of its stages (the tree conv, mamba_ssm's scan functions, the forked states'
+four steps, the projections and the norm; inclusive) are taken with timers wrapped around those
+functions for the run. On short rows a Mamba layer's host time can exceed its GPU time, and then
+it, not the kernels, sets a synchronized step's time (docs/benchmarks.md).
+
 Usage (writes the table into docs/benchmarks.md when --write is given):
     python tools/bench_mamba.py [--hidden 2048] [--repeats 10] [--write docs/benchmarks.md]
     python tools/bench_mamba.py --check [--device cpu]   # tiny run: all variants agree, then exit
     python tools/bench_mamba.py --profile                # top CUDA kernels: tree vs same-token
     varlen
     python tools/bench_mamba.py --conv [--write docs/benchmarks.md]  # the conv alone, three ways
+    python tools/bench_mamba.py --host-stages [--write docs/benchmarks.md]  # host time by stage
 """
 
 import argparse
+import collections
+import contextlib
+import functools
+import statistics
 import shlex
 import sys
 import time
@@ -52,8 +64,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from benchmark_report import (
+    HOST_AHEAD_CYCLES,
     agent_tree,
     cuda_time_ms,
+    device_description,
+    host_launch_us,
     kernel_time_differences,
     markdown_table,
     star,
@@ -69,11 +84,13 @@ install_mamba_ssm_fallback()
 # pylint: disable=wrong-import-position
 from megatron.shared_prefix.layout import ForestLayout  # noqa: E402
 from megatron.shared_prefix.planning import plan_shared_prefix  # noqa: E402
+from megatron.shared_prefix.ssm import tree_conv  # noqa: E402
 from megatron.shared_prefix.ssm.tree_conv import _fixup_windows  # noqa: E402
 from megatron.shared_prefix.ssm.tree_scan import (  # noqa: E402
     TreeScanPlan,
     packed_chunk_scan,
     process_dt,
+    triton_chunk_scan,
 )
 from megatron.shared_prefix.tensors import ForestTensors, forest_scope  # noqa: E402
 from megatron.shared_prefix.training.distributed import init_single_process  # noqa: E402
@@ -513,6 +530,151 @@ def bench_forests():
     ]
 
 
+HOST_SECTION = "Tree Mamba mixer: host time by stage (tools/bench_mamba.py --host-stages)"
+
+# (stage, owner module or class, attribute): the functions whose host time --host-stages takes.
+# mamba_ssm's scan functions are timed where they exist (CUDA: the tree scan calls them).
+TIMED_FUNCTIONS = (
+    ("tree conv forward", tree_conv._TritonTreeConv, "forward"),
+    ("tree conv backward", tree_conv._TritonTreeConv, "backward"),
+    ("fork: end states", "ForkedStates", "states"),
+    ("fork: correction", "ForkedStates", "correct"),
+    ("fork: backward states", "ForkedStates", "backward_states"),
+    ("fork: backward tokens", "ForkedStates", "backward_tokens"),
+)
+MAMBA_SSM_FUNCTIONS = (
+    ("mamba_ssm scan forward", "_mamba_chunk_scan_combined_fwd"),
+    ("mamba_ssm scan backward", "_mamba_chunk_scan_combined_bwd"),
+)
+TIMED_MODULES = ("in_proj", "out_proj", "norm")
+
+
+@contextlib.contextmanager
+def stage_timers(mixer):
+    """Yields a dict stage -> inclusive host microseconds, summed over the calls made inside the
+    block: the functions of ``TIMED_FUNCTIONS`` (and mamba_ssm's of ``MAMBA_SSM_FUNCTIONS`` when
+    its Triton scan imports) are replaced by timed wrappers, and the mixer's projections and norm
+    get forward hooks; everything is put back on exit."""
+    # pylint: disable-next=import-outside-toplevel
+    from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
+
+    times = collections.defaultdict(float)
+    targets = [
+        (stage, ForkedStates if owner == "ForkedStates" else owner, name)
+        for stage, owner, name in TIMED_FUNCTIONS
+    ]
+    scan = triton_chunk_scan()
+    if scan is not None:
+        module = sys.modules[scan.__module__]
+        targets += [(stage, module, name) for stage, name in MAMBA_SSM_FUNCTIONS]
+    replaced, handles = [], []
+
+    def timed(stage, function):
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                times[stage] += 1e6 * (time.perf_counter() - start)
+
+        return run
+
+    starts = {}
+    try:
+        for stage, owner, name in targets:
+            original = vars(owner)[name]  # KeyError: the benchmark names a function that moved
+            is_static = isinstance(original, staticmethod)
+            wrapper = timed(stage, original.__func__ if is_static else original)
+            setattr(owner, name, staticmethod(wrapper) if is_static else wrapper)
+            replaced.append((owner, name, original))
+        for name in TIMED_MODULES:
+            module = getattr(mixer, name)
+            stage = f"{name} forward"
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda *_, stage=stage: starts.__setitem__(stage, time.perf_counter())
+                )
+            )
+            handles.append(
+                module.register_forward_hook(
+                    lambda *_, stage=stage: times.__setitem__(
+                        stage, times[stage] + 1e6 * (time.perf_counter() - starts[stage])
+                    )
+                )
+            )
+        yield times
+    finally:
+        for owner, name, original in reversed(replaced):
+            setattr(owner, name, original)
+        for handle in handles:
+            handle.remove()
+
+
+def host_stage_times(run, mixer, repeats, cuda):
+    """{stage: median host us of one call} of ``run`` (forward+backward of ``mixer``), ``"whole
+    call"`` included, over ``repeats`` calls each made right after a sleep kernel was queued (on
+    CUDA: the host never waits for the GPU) and within ``stage_timers``."""
+    samples = collections.defaultdict(list)
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOST_AHEAD_CYCLES)  # pylint: disable=protected-access
+        with stage_timers(mixer) as times:
+            start = time.perf_counter()
+            run()
+            whole = 1e6 * (time.perf_counter() - start)
+        samples["whole call"].append(whole)
+        for stage, value in times.items():
+            samples[stage].append(value)
+    if cuda:
+        torch.cuda.synchronize()
+    return {stage: statistics.median(values) for stage, values in samples.items()}
+
+
+def host_stages(mixer, args):
+    """Rows of the --host-stages table: per forest, the tree and the same-token varlen layer."""
+    stages = ["whole call"] + [stage for stage, _, _ in TIMED_FUNCTIONS]
+    stages += [stage for stage, _ in MAMBA_SSM_FUNCTIONS]
+    stages += [f"{name} forward" for name in TIMED_MODULES]
+    cuda = args.device == "cuda"
+    rows = []
+    for name, sequences in bench_forests():
+        runs, _, _ = variants(mixer, sequences, torch.bfloat16, args.device)
+        for key in ("tree", "varlen, tree tokens"):
+            run = runs[key][0]
+            for _ in range(3):
+                run()
+            times = host_stage_times(run, mixer, args.repeats, cuda)
+            row = {"forest": name, "run": key}
+            row.update((f"{stage} us", times.get(stage, 0.0)) for stage in stages)
+            row["GPU ms"] = cuda_time_ms(run, args.repeats, host_ahead=True) if cuda else 0.0
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def host_markdown(rows, command, args, mixer):
+    lines = [
+        f"## {HOST_SECTION}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Device: {device_description(torch.cuda.get_device_name(), host_launch_us())}; one "
+        f"Mamba mixer, hidden {args.hidden}, {mixer.nheads} heads x {args.head_dim}, state "
+        f"{args.state}, {args.groups} groups, chunk {args.chunk}, bf16, forward+backward of the "
+        "tree and of the same packed tokens without the fork (every segment a root). us: host "
+        f"microseconds, median of {args.repeats} calls, each made right after a sleep kernel was "
+        "queued (the host never waits for the GPU); a stage's time is inclusive (mamba_ssm's "
+        "scan functions are inside the tree scan, the fork's steps beside them), 0 where the "
+        "run does not call it. GPU ms: GPU time of the same call, median of the same number "
+        "queued back to back behind a sleep kernel. Host times differ by up to about 20% between "
+        "processes on one machine (docs/benchmarks.md, *Whole model: what the table shows*).",
+        "",
+    ]
+    return "\n".join(lines + markdown_table(rows)) + "\n"
+
+
 CONV_SECTION = "Tree Mamba conv (tools/bench_mamba.py --conv)"
 
 
@@ -664,6 +826,11 @@ def main():
         action="store_true",
         help="print torch.profiler's top CUDA kernels of the tree and the same-token varlen run",
     )
+    parser.add_argument(
+        "--host-stages",
+        action="store_true",
+        help="host time of the tree and the same-token varlen layer, by stage",
+    )
     args = parser.parse_args()
     init_single_process(args.device)
     if args.check:
@@ -677,6 +844,14 @@ def main():
     mixer = build_mixer(args, torch.bfloat16)
     if args.profile:
         profile(mixer)
+        return
+    if args.host_stages:
+        section = host_markdown(
+            host_stages(mixer, args), "python " + shlex.join(sys.argv), args, mixer
+        )
+        print(section)
+        if args.write:
+            write_section(args.write, section)
         return
     if args.conv:
         section = conv_markdown(
