@@ -433,11 +433,7 @@ def bench_forest(name, sequences, mixer, args, dtype):
 
 def markdown(rows, command, args, mixer):
     path = "fused (mem-eff)" if mixer.use_mem_eff_path else "unfused (causal-conv1d absent)"
-    lines = [
-        f"## {SECTION}",
-        "",
-        f"Command: `{command}`",
-        "",
+    description = (
         f"Device: {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; one Mamba "
         f"mixer, hidden {args.hidden}, {mixer.nheads} heads x {args.head_dim}, state {args.state}, "
         f"{args.groups} groups, chunk {args.chunk}, bf16, forward+backward; dense path: {path}. "
@@ -447,9 +443,14 @@ def markdown(rows, command, args, mixer):
         "time) / token ratio; tree / varlen = tree time over the same packed tokens without the "
         "fork (target <= 1.05). The forest runs (dense varlen, tree, varlen tree tokens) use the "
         "Triton row conv (ssm/triton_causal_conv.py); *torch conv*: the same runs with PyTorch's "
-        "F.conv1d and SiLU (`tree_conv_backend=\"torch\"`).",
-        "",
-    ]
+        "F.conv1d and SiLU (`tree_conv_backend=\"torch\"`)."
+    )
+    return section_markdown(SECTION, command, description, rows)
+
+
+def section_markdown(title, command, description, rows):
+    """A ``## title`` section of docs/benchmarks.md: its command, its set-up, its table."""
+    lines = [f"## {title}", "", f"Command: `{command}`", "", description, ""]
     return "\n".join(lines + markdown_table(rows)) + "\n"
 
 
@@ -655,11 +656,7 @@ def host_stages(mixer, args):
 
 
 def host_markdown(rows, command, args, mixer):
-    lines = [
-        f"## {HOST_SECTION}",
-        "",
-        f"Command: `{command}`",
-        "",
+    description = (
         f"Device: {device_description(torch.cuda.get_device_name(), host_launch_us())}; one "
         f"Mamba mixer, hidden {args.hidden}, {mixer.nheads} heads x {args.head_dim}, state "
         f"{args.state}, {args.groups} groups, chunk {args.chunk}, bf16, forward+backward of the "
@@ -669,10 +666,9 @@ def host_markdown(rows, command, args, mixer):
         "scan functions are inside the tree scan, the fork's steps beside them), 0 where the "
         "run does not call it. GPU ms: GPU time of the same call, median of the same number "
         "queued back to back behind a sleep kernel. Host times differ by up to about 20% between "
-        "processes on one machine (docs/benchmarks.md, *Whole model: what the table shows*).",
-        "",
-    ]
-    return "\n".join(lines + markdown_table(rows)) + "\n"
+        "processes on one machine (docs/benchmarks.md, *Whole model: what the table shows*)."
+    )
+    return section_markdown(HOST_SECTION, command, description, rows)
 
 
 CONV_SECTION = "Tree Mamba conv (tools/bench_mamba.py --conv)"
@@ -778,11 +774,7 @@ def conv_comparison(mixer, args):
 
 
 def conv_markdown(rows, command, args, mixer):
-    lines = [
-        f"## {CONV_SECTION}",
-        "",
-        f"Command: `{command}`",
-        "",
+    description = (
         f"Device: {torch.cuda.get_device_name()}; the tree conv of one Mamba mixer alone (hidden "
         f"{args.hidden}: {mixer.conv1d_weight.shape[0]} channels, width {mixer.d_conv}, SiLU, "
         "bf16; "
@@ -794,10 +786,9 @@ def conv_markdown(rows, command, args, mixer):
         "token's taps read from the forest's table of them (those windows in it). "
         "megatron-core varlen: megatron-core 0.19.2's `causal_conv1d_varlen_fn` (forward only, no "
         "backward: training cannot use it), every segment one of its sequences with the parent's "
-        "tail as its initial state. max rel. diff: max |a - torch| / max |torch| of the outputs.",
-        "",
-    ]
-    return "\n".join(lines + markdown_table(rows)) + "\n"
+        "tail as its initial state. max rel. diff: max |a - torch| / max |torch| of the outputs."
+    )
+    return section_markdown(CONV_SECTION, command, description, rows)
 
 
 def main():
