@@ -92,6 +92,7 @@ from megatron.shared_prefix.ssm.tree_scan import (  # noqa: E402
     process_dt,
     triton_chunk_scan,
 )
+from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates  # noqa: E402
 from megatron.shared_prefix.tensors import ForestTensors, forest_scope  # noqa: E402
 from megatron.shared_prefix.training.distributed import init_single_process  # noqa: E402
 
@@ -538,10 +539,10 @@ HOST_SECTION = "Tree Mamba mixer: host time by stage (tools/bench_mamba.py --hos
 TIMED_FUNCTIONS = (
     ("tree conv forward", tree_conv._TritonTreeConv, "forward"),
     ("tree conv backward", tree_conv._TritonTreeConv, "backward"),
-    ("fork: end states", "ForkedStates", "states"),
-    ("fork: correction", "ForkedStates", "correct"),
-    ("fork: backward states", "ForkedStates", "backward_states"),
-    ("fork: backward tokens", "ForkedStates", "backward_tokens"),
+    ("fork: end states", ForkedStates, "states"),
+    ("fork: correction", ForkedStates, "correct"),
+    ("fork: backward states", ForkedStates, "backward_states"),
+    ("fork: backward tokens", ForkedStates, "backward_tokens"),
 )
 MAMBA_SSM_FUNCTIONS = (
     ("mamba_ssm scan forward", "_mamba_chunk_scan_combined_fwd"),
@@ -556,14 +557,8 @@ def stage_timers(mixer):
     block: the functions of ``TIMED_FUNCTIONS`` (and mamba_ssm's of ``MAMBA_SSM_FUNCTIONS`` when
     its Triton scan imports) are replaced by timed wrappers, and the mixer's projections and norm
     get forward hooks; everything is put back on exit."""
-    # pylint: disable-next=import-outside-toplevel
-    from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
-
     times = collections.defaultdict(float)
-    targets = [
-        (stage, ForkedStates if owner == "ForkedStates" else owner, name)
-        for stage, owner, name in TIMED_FUNCTIONS
-    ]
+    targets = list(TIMED_FUNCTIONS)
     scan = triton_chunk_scan()
     if scan is not None:
         module = sys.modules[scan.__module__]
@@ -836,27 +831,17 @@ def main():
     if args.profile:
         profile(mixer)
         return
+    command = "python " + shlex.join(sys.argv)
     if args.host_stages:
-        section = host_markdown(
-            host_stages(mixer, args), "python " + shlex.join(sys.argv), args, mixer
-        )
-        print(section)
-        if args.write:
-            write_section(args.write, section)
-        return
-    if args.conv:
-        section = conv_markdown(
-            conv_comparison(mixer, args), "python " + shlex.join(sys.argv), args, mixer
-        )
-        print(section)
-        if args.write:
-            write_section(args.write, section)
-        return
-    rows = []
-    for name, sequences in bench_forests():
-        rows.append(bench_forest(name, sequences, mixer, args, torch.bfloat16))
-        print(rows[-1], flush=True)
-    section = markdown(rows, "python " + shlex.join(sys.argv), args, mixer)
+        section = host_markdown(host_stages(mixer, args), command, args, mixer)
+    elif args.conv:
+        section = conv_markdown(conv_comparison(mixer, args), command, args, mixer)
+    else:
+        rows = []
+        for name, sequences in bench_forests():
+            rows.append(bench_forest(name, sequences, mixer, args, torch.bfloat16))
+            print(rows[-1], flush=True)
+        section = markdown(rows, command, args, mixer)
     print(section)
     if args.write:
         write_section(args.write, section)

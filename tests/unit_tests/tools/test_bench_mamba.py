@@ -28,11 +28,9 @@ def test_host_stages_time_the_mixer_and_put_every_function_back(
     every function and hook as it was."""
     monkeypatch.setenv("MAMBA_DETERMINISTIC", os.environ.get("MAMBA_DETERMINISTIC", "1"))
     tool = load_tool("bench_mamba")
-    from megatron.shared_prefix.ssm.triton_inherited_state import ForkedStates
-
     args = SimpleNamespace(hidden=64, head_dim=16, state=8, groups=2, chunk=8, device="cpu")
     mixer = tool.build_mixer(args, torch.float32)
-    owners = [ForkedStates if o == "ForkedStates" else o for _, o, _ in tool.TIMED_FUNCTIONS]
+    owners = [owner for _, owner, _ in tool.TIMED_FUNCTIONS]
     names = [name for _, _, name in tool.TIMED_FUNCTIONS]
     originals = [vars(owner)[name] for owner, name in zip(owners, names)]
     with tool.stage_timers(mixer):
