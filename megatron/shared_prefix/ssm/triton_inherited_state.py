@@ -51,12 +51,18 @@ The counts that change with every forest (blocks, splits, slots) are ``do_not_sp
 Triton otherwise compiles a variant of a kernel per class of an integer argument (1, a multiple
 of 16, anything else), which on an H200 made the first row of a new shape compile again in the
 middle of training (tools/bench_model.py ``--first-step``). They only bound loops and masks.
+The layer's sizes (heads per group, head and state dims) are constexprs instead, and the token
+kernels take one stride per tensor, its token stride (the other dimensions contiguous: the
+mixer's channel views qualify; other inputs are copied first, other outputs refused): a launch
+costs host time per argument, and on a slow host the tree layer's host time exceeded its GPU time
+(docs/benchmarks.md, *Tree Mamba mixer: where the fork's time goes*, the leaner launches).
 
 Shapes: T packed tokens, H heads in G groups (R = H / G heads per group), head dim P, state dim N,
 S internal (parent) segments.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -139,12 +145,18 @@ def supported(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in SUPPORTED_DTYPES for t in tensors)
 
 
-def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))  # tl.dot needs every dimension >= 16
+# Host integer helpers in plain Python: Triton's cdiv and next_power_of_2 are constexpr
+# functions, a few microseconds of host time per call.
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)
 
 
 def _pow2_at_least_1(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _pow2(n: int) -> int:
+    return max(16, _pow2_at_least_1(n))  # tl.dot needs every dimension >= 16
 
 
 @triton.jit
@@ -160,148 +172,129 @@ def _block(blocks_ptr, tokens_ptr, block, num_blocks, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _load_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, BLOCK_P: tl.constexpr):
-    """[BLOCK_T, BLOCK_P] float32 rows ``ptr[tokens, head, :]`` (0 where masked)."""
+def _tp_at(ptr, tokens, head, stride_t, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """[BLOCK_T, BLOCK_P] pointers ``ptr[tokens, head, :]`` of a [T, H, P] tensor whose rows are
+    ``stride_t`` apart (heads and head dims contiguous)."""
     p = tl.arange(0, BLOCK_P)
-    return tl.load(
-        ptr + tokens[:, None] * stride_t + head * stride_h + p[None, :] * stride_p,
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
+    return ptr + tokens[:, None] * stride_t + head * HEAD_DIM + p[None, :]
 
 
 @triton.jit
-def _add_to_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, values,
+def _load_tp(ptr, tokens, head, stride_t, mask, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """[BLOCK_T, BLOCK_P] float32 rows ``ptr[tokens, head, :]`` (0 where masked)."""
+    at = _tp_at(ptr, tokens, head, stride_t, HEAD_DIM, BLOCK_P)
+    return tl.load(at, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_to_tp(ptr, tokens, head, stride_t, mask, values, HEAD_DIM: tl.constexpr,
                BLOCK_P: tl.constexpr):  # fmt: skip
     """``ptr[tokens, head, :] += values`` ([BLOCK_T, BLOCK_P] float32, added to the loaded rows
     in float32 and rounded once to ptr's dtype) where ``mask``."""
-    values += _load_tp(ptr, tokens, head, stride_t, stride_h, stride_p, mask, BLOCK_P)
-    p = tl.arange(0, BLOCK_P)
-    tl.store(
-        ptr + tokens[:, None] * stride_t + head * stride_h + p[None, :] * stride_p,
-        values.to(ptr.dtype.element_ty),
-        mask=mask,
-    )
+    values += _load_tp(ptr, tokens, head, stride_t, mask, HEAD_DIM, BLOCK_P)
+    at = _tp_at(ptr, tokens, head, stride_t, HEAD_DIM, BLOCK_P)
+    tl.store(at, values.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _load_state(ptr, slot, head, stride_slot, stride_h, stride_p, stride_n, head_dim, state_dim,
+def _load_C(C_ptr, tokens, group, stride_t, mask, STATE_DIM: tl.constexpr,
+            BLOCK_N: tl.constexpr):  # fmt: skip
+    """[BLOCK_T, BLOCK_N] rows ``C[tokens, group, :]`` of a [T, G, N] tensor whose rows are
+    ``stride_t`` apart (0 where masked), in C's dtype; their mask."""
+    n = tl.arange(0, BLOCK_N)
+    mask_tn = mask[:, None] & (n[None, :] < STATE_DIM)
+    at = C_ptr + tokens[:, None] * stride_t + group * STATE_DIM + n[None, :]
+    return tl.load(at, mask=mask_tn, other=0.0), at, mask_tn
+
+
+@triton.jit
+def _load_state(ptr, slot, head, num_heads, HEAD_DIM: tl.constexpr, STATE_DIM: tl.constexpr,
                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """[BLOCK_P, BLOCK_N] state ``ptr[slot, head]`` in the states' dtype (0 outside [P, N])."""
+    """[BLOCK_P, BLOCK_N] state ``ptr[slot, head]`` of contiguous [S, H, P, N] states, in their
+    dtype (0 outside [P, N])."""
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     return tl.load(
-        ptr + slot * stride_slot + head * stride_h + p[:, None] * stride_p
-        + n[None, :] * stride_n,
-        mask=(p[:, None] < head_dim) & (n[None, :] < state_dim),
+        ptr + ((slot * num_heads + head) * HEAD_DIM + p[:, None]) * STATE_DIM + n[None, :],
+        mask=(p[:, None] < HEAD_DIM) & (n[None, :] < STATE_DIM),
         other=0.0,
-    )  # fmt: skip
+    )
 
 
 @triton.jit(do_not_specialize=("num_blocks",))
 def _token_product_kernel(
     out_ptr, z_ptr, C_ptr, w_ptr, states_ptr, blocks_ptr, tokens_ptr,
-    num_blocks, heads_per_group, head_dim, state_dim,
-    stride_out_t, stride_out_h, stride_out_p,
-    stride_z_t, stride_z_h, stride_z_p,
-    stride_C_t, stride_C_g, stride_C_n,
-    stride_w_t, stride_w_h,
-    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
+    num_blocks, stride_out_t, stride_z_t, stride_C_t,
+    HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, STATE_DIM: tl.constexpr,
     HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (block, group): out += f(w) * gate * C . state, for the group's heads (the sum in
-    float32, rounded once to out's dtype)."""
+    float32, rounded once to out's dtype). w: contiguous [T, H]."""
     tokens, mask, slot = _block(blocks_ptr, tokens_ptr, tl.program_id(0), num_blocks, BLOCK_T)
     group = tl.program_id(1)
+    num_heads = tl.num_programs(1) * HEADS_PER_GROUP
     p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    mask_tp = mask[:, None] & (p[None, :] < head_dim)
-    C = tl.load(
-        C_ptr + tokens[:, None] * stride_C_t + group * stride_C_g + n[None, :] * stride_C_n,
-        mask=mask[:, None] & (n[None, :] < state_dim),
-        other=0.0,
-    )
-    for r in range(heads_per_group):
-        head = group * heads_per_group + r
-        state = _load_state(states_ptr, slot, head, stride_s_slot, stride_s_h, stride_s_p,
-                            stride_s_n, head_dim, state_dim, BLOCK_P, BLOCK_N)  # fmt: skip
-        weight = tl.load(w_ptr + tokens * stride_w_t + head * stride_w_h, mask=mask, other=0.0)
+    mask_tp = mask[:, None] & (p[None, :] < HEAD_DIM)
+    C, _, _ = _load_C(C_ptr, tokens, group, stride_C_t, mask, STATE_DIM, BLOCK_N)
+    for r in range(HEADS_PER_GROUP):
+        head = group * HEADS_PER_GROUP + r
+        state = _load_state(states_ptr, slot, head, num_heads, HEAD_DIM, STATE_DIM, BLOCK_P,
+                            BLOCK_N)  # fmt: skip
+        weight = tl.load(w_ptr + tokens * num_heads + head, mask=mask, other=0.0)
         if EXP_WEIGHT:
             weight = tl.exp(weight)
         result = tl.dot(C, tl.trans(state.to(C.dtype))) * weight[:, None]  # [T, P] float32
         if HAS_Z:
-            z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
+            z = _load_tp(z_ptr, tokens, head, stride_z_t, mask_tp, HEAD_DIM, BLOCK_P)
             result = result * z * tl.sigmoid(z)
-        _add_to_tp(out_ptr, tokens, head, stride_out_t, stride_out_h, stride_out_p, mask_tp,
-                   result, BLOCK_P)  # fmt: skip
+        _add_to_tp(out_ptr, tokens, head, stride_out_t, mask_tp, result, HEAD_DIM, BLOCK_P)
 
 
 @triton.jit(do_not_specialize=("num_blocks",))
 def _token_grad_kernel(
     grad_C_ptr, grad_w_ptr, grad_z_ptr, out_ptr, v_ptr, z_ptr, C_ptr, w_ptr, states_ptr,
     blocks_ptr, tokens_ptr,
-    num_blocks, heads_per_group, head_dim, state_dim,
-    stride_gC_t, stride_gC_g, stride_gC_n,
-    stride_gz_t, stride_gz_h, stride_gz_p,
-    stride_out_t, stride_out_h, stride_out_p,
-    stride_v_t, stride_v_h, stride_v_p,
-    stride_z_t, stride_z_h, stride_z_p,
-    stride_C_t, stride_C_g, stride_C_n,
-    stride_w_t, stride_w_h,
-    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
+    num_blocks, stride_gC_t, stride_gz_t, stride_out_t, stride_v_t, stride_z_t, stride_C_t,
+    HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, STATE_DIM: tl.constexpr,
     HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr, ADD_PRODUCT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (block, group), with u = (gate * v) . state ([T, N] per head):
     dC += sum_heads f(w) * u, dz += v * f(w) * (C . state) * silu'(z) (each sum in float32, rounded
     once to the gradient's dtype), and dw = f'(w) * sum_n u * C written to grad_w, contiguous
-    [T, H] float32. With ADD_PRODUCT (no gate), also :func:`_token_product_kernel`'s
+    [T, H] float32 (as w). With ADD_PRODUCT (no gate), also :func:`_token_product_kernel`'s
     out += f(w) * C . state on the same pass: the own states' backward needs both for the same
     tokens, states and weights (dx and dB, dw), and one pass reads C, the states and w once.
     """
     tokens, mask, slot = _block(blocks_ptr, tokens_ptr, tl.program_id(0), num_blocks, BLOCK_T)
     group = tl.program_id(1)
-    num_groups = tl.num_programs(1)
-    num_heads = num_groups * heads_per_group
+    num_heads = tl.num_programs(1) * HEADS_PER_GROUP
     p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    mask_tp = mask[:, None] & (p[None, :] < head_dim)
-    mask_tn = mask[:, None] & (n[None, :] < state_dim)
-    C = tl.load(
-        C_ptr + tokens[:, None] * stride_C_t + group * stride_C_g + n[None, :] * stride_C_n,
-        mask=mask_tn,
-        other=0.0,
-    )
-    grad_C_at = grad_C_ptr + tokens[:, None] * stride_gC_t + group * stride_gC_g
-    grad_C_at += n[None, :] * stride_gC_n
-    grad_C = tl.load(grad_C_at, mask=mask_tn, other=0.0).to(tl.float32)
-    for r in range(heads_per_group):
-        head = group * heads_per_group + r
-        state = _load_state(states_ptr, slot, head, stride_s_slot, stride_s_h, stride_s_p,
-                            stride_s_n, head_dim, state_dim, BLOCK_P, BLOCK_N)  # fmt: skip
+    mask_tp = mask[:, None] & (p[None, :] < HEAD_DIM)
+    C, _, mask_tn = _load_C(C_ptr, tokens, group, stride_C_t, mask, STATE_DIM, BLOCK_N)
+    grad_C, grad_C_at, _ = _load_C(grad_C_ptr, tokens, group, stride_gC_t, mask, STATE_DIM,
+                                   BLOCK_N)  # fmt: skip
+    grad_C = grad_C.to(tl.float32)
+    for r in range(HEADS_PER_GROUP):
+        head = group * HEADS_PER_GROUP + r
+        state = _load_state(states_ptr, slot, head, num_heads, HEAD_DIM, STATE_DIM, BLOCK_P,
+                            BLOCK_N)  # fmt: skip
         state = state.to(C.dtype)
-        weight = tl.load(w_ptr + tokens * stride_w_t + head * stride_w_h, mask=mask, other=0.0)
+        weight = tl.load(w_ptr + tokens * num_heads + head, mask=mask, other=0.0)
         if EXP_WEIGHT:
             weight = tl.exp(weight)
-        v = _load_tp(v_ptr, tokens, head, stride_v_t, stride_v_h, stride_v_p, mask_tp, BLOCK_P)
+        v = _load_tp(v_ptr, tokens, head, stride_v_t, mask_tp, HEAD_DIM, BLOCK_P)
         if HAS_Z or ADD_PRODUCT:
             product = tl.dot(C, tl.trans(state))  # [T, P] float32
         if ADD_PRODUCT:
-            _add_to_tp(out_ptr, tokens, head, stride_out_t, stride_out_h, stride_out_p, mask_tp,
-                       product * weight[:, None], BLOCK_P)  # fmt: skip
+            _add_to_tp(out_ptr, tokens, head, stride_out_t, mask_tp, product * weight[:, None],
+                       HEAD_DIM, BLOCK_P)  # fmt: skip
         if HAS_Z:
-            z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
+            z = _load_tp(z_ptr, tokens, head, stride_z_t, mask_tp, HEAD_DIM, BLOCK_P)
             sigmoid = tl.sigmoid(z)
             grad_z = v * product * weight[:, None] * (sigmoid * (1 + z * (1 - sigmoid)))
-            grad_z += _load_tp(grad_z_ptr, tokens, head, stride_gz_t, stride_gz_h, stride_gz_p,
-                               mask_tp, BLOCK_P)  # fmt: skip
-            tl.store(
-                grad_z_ptr + tokens[:, None] * stride_gz_t + head * stride_gz_h
-                + p[None, :] * stride_gz_p,
-                grad_z.to(grad_z_ptr.dtype.element_ty),
-                mask=mask_tp,
-            )  # fmt: skip
+            _add_to_tp(grad_z_ptr, tokens, head, stride_gz_t, mask_tp, grad_z, HEAD_DIM, BLOCK_P)
             v = v * z * sigmoid
         u = tl.dot(v.to(C.dtype), state)  # [T, N] float32
         grad_w = tl.sum(u * C.to(tl.float32), axis=1)
@@ -315,43 +308,37 @@ def _token_grad_kernel(
 @triton.jit(do_not_specialize=("num_blocks", "num_splits"))
 def _state_sum_kernel(
     partial_ptr, v_ptr, z_ptr, C_ptr, w_ptr, blocks_ptr, splits_ptr, tokens_ptr,
-    num_blocks, num_splits, heads_per_group, head_dim, state_dim,
-    stride_v_t, stride_v_h, stride_v_p,
-    stride_z_t, stride_z_h, stride_z_p,
-    stride_C_t, stride_C_g, stride_C_n,
-    stride_w_t, stride_w_h,
+    num_blocks, num_splits, stride_v_t, stride_z_t, stride_C_t,
+    HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, STATE_DIM: tl.constexpr,
     HAS_Z: tl.constexpr, EXP_WEIGHT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Program (split, head): partial[split, head] = sum over the split's tokens, block by block in
-    ascending order, of (f(w) * gate * v)^T C ([P, N]). partial is contiguous [NS, H, P, N]."""
+    ascending order, of (f(w) * gate * v)^T C ([P, N]). partial is contiguous [NS, H, P, N], w
+    contiguous [T, H]."""
     split = tl.program_id(0)
     head = tl.program_id(1)
-    group = head // heads_per_group
+    num_heads = tl.num_programs(1)
+    group = head // HEADS_PER_GROUP
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for block in range(tl.load(splits_ptr + split), tl.load(splits_ptr + num_splits + split)):
         tokens, mask, _ = _block(blocks_ptr, tokens_ptr, block, num_blocks, BLOCK_T)
-        mask_tp = mask[:, None] & (p[None, :] < head_dim)
-        C = tl.load(
-            C_ptr + tokens[:, None] * stride_C_t + group * stride_C_g + n[None, :] * stride_C_n,
-            mask=mask[:, None] & (n[None, :] < state_dim),
-            other=0.0,
-        )
-        v = _load_tp(v_ptr, tokens, head, stride_v_t, stride_v_h, stride_v_p, mask_tp, BLOCK_P)
+        mask_tp = mask[:, None] & (p[None, :] < HEAD_DIM)
+        C, _, _ = _load_C(C_ptr, tokens, group, stride_C_t, mask, STATE_DIM, BLOCK_N)
+        v = _load_tp(v_ptr, tokens, head, stride_v_t, mask_tp, HEAD_DIM, BLOCK_P)
         if HAS_Z:
-            z = _load_tp(z_ptr, tokens, head, stride_z_t, stride_z_h, stride_z_p, mask_tp, BLOCK_P)
+            z = _load_tp(z_ptr, tokens, head, stride_z_t, mask_tp, HEAD_DIM, BLOCK_P)
             v = v * z * tl.sigmoid(z)
-        weight = tl.load(w_ptr + tokens * stride_w_t + head * stride_w_h, mask=mask, other=0.0)
+        weight = tl.load(w_ptr + tokens * num_heads + head, mask=mask, other=0.0)
         if EXP_WEIGHT:
             weight = tl.exp(weight)
         acc += tl.dot(tl.trans((v * weight[:, None]).to(C.dtype)), C)
-    num_heads = tl.num_programs(1)
     tl.store(
-        partial_ptr + ((split * num_heads + head) * head_dim + p[:, None]) * state_dim + n[None, :],
+        partial_ptr + ((split * num_heads + head) * HEAD_DIM + p[:, None]) * STATE_DIM + n[None, :],
         acc,
-        mask=(p[:, None] < head_dim) & (n[None, :] < state_dim),
+        mask=(p[:, None] < HEAD_DIM) & (n[None, :] < STATE_DIM),
     )
 
 
@@ -642,27 +629,61 @@ def _chain_bwd_kernel(grad_ptr, partial_ptr, slot_splits_ptr, copy_ptr, grad_dec
         tl.debug_barrier()  # grad[parent] is read back by a later slot (as in the forward)
 
 
-def _strides(tensor, dims):
-    return tuple(tensor.stride()) if tensor is not None else (0,) * dims
+def _rows_apart(tensor) -> bool:
+    """Whether [T, X, Y] ``tensor``'s dimensions after the token's are contiguous: the token
+    kernels address its rows by one stride (each launch argument costs host time, about 1 us on
+    an H100's host, and a layer call makes five of these launches)."""
+    stride, shape = tensor.stride(), tensor.shape
+    return stride[2] == 1 and (stride[1] == shape[2] or shape[1] == 1)
+
+
+def _row_stride(tensor, name) -> int:
+    """The token stride of an output [T, X, Y] (None: 0), written in place by a kernel."""
+    if tensor is None:
+        return 0
+    if not _rows_apart(tensor):
+        raise ValueError(
+            f"the forked states' kernels write {name} in place and need its dimensions after the "
+            f"token's contiguous, got shape {tuple(tensor.shape)} and strides {tensor.stride()}"
+        )
+    return tensor.stride(0)
+
+
+def _rows(tensor):
+    """(``tensor``, its token stride) for an input [T, X, Y] whose dimensions after the token's
+    are contiguous, else (a contiguous copy, its stride); None: (None, 0)."""
+    if tensor is None:
+        return None, 0
+    if not _rows_apart(tensor):
+        tensor = tensor.contiguous()
+    return tensor, tensor.stride(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_sizes(heads, head_dim, groups, state_dim):
+    """The constexpr arguments of the token kernels for a layer's sizes (computed once: the
+    model's sizes are constants, so they compile one variant per layer shape)."""
+    return {
+        "HEADS_PER_GROUP": heads // groups,
+        "HEAD_DIM": head_dim,
+        "STATE_DIM": state_dim,
+        "BLOCK_P": _pow2(head_dim),
+        "BLOCK_N": _pow2(state_dim),
+    }
 
 
 def _sizes(values, C):
-    heads, head_dim = values.shape[1:]
-    groups, state_dim = C.shape[1:]
-    return (
-        heads,
-        head_dim,
-        groups,
-        state_dim,
-        {"BLOCK_P": _pow2(head_dim), "BLOCK_N": _pow2(state_dim)},
-    )
+    """The token kernels' constexpr sizes of values [T, H, P] and C [T, G, N]."""
+    return _launch_sizes(*values.shape[1:], *C.shape[1:])
 
 
 def _in_product_dtype(states, C):
-    """The states in C's dtype, in which every program multiplies them (each program reads the
-    state of every head of its group: in bf16 that is half the reads of float32). The parent
+    """Contiguous states in C's dtype, in which every program multiplies them (each program reads
+    the state of every head of its group: in bf16 that is half the reads of float32). The parent
     chain writes them so; this rounds states given in another dtype once, as it does."""
-    return states.to(C.dtype)
+    if states.dtype == C.dtype and states.is_contiguous():
+        return states
+    return states.to(C.dtype).contiguous()
 
 
 def token_product(z, C, w, states, tables: TokenBlocks, *, exp_weight, out):
@@ -671,13 +692,12 @@ def token_product(z, C, w, states, tables: TokenBlocks, *, exp_weight, out):
     num_blocks = tables.blocks.shape[1]
     if num_blocks == 0:
         return out
-    heads, head_dim, groups, state_dim, sizes = _sizes(out, C)
+    (z, stride_z), (C, stride_C), w = _rows(z), _rows(C), w.contiguous()
     states = _in_product_dtype(states, C)
-    _token_product_kernel[(num_blocks, groups)](
+    _token_product_kernel[(num_blocks, C.shape[1])](
         out, z if z is not None else out, C, w, states, tables.blocks, tables.tokens,
-        num_blocks, heads // groups, head_dim, state_dim,
-        *out.stride(), *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
-        HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+        num_blocks, _row_stride(out, "out"), stride_z, stride_C,
+        HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **_sizes(out, C),
         num_stages=TOKEN_PRODUCT_STAGES,
     )  # fmt: skip
     return out
@@ -691,21 +711,20 @@ def token_grad(v, z, C, w, states, tables: TokenBlocks, *, exp_weight, grad_C, g
     the same pass also adds :func:`token_product`'s ``f(w) * C . states[slot]`` to it."""
     if product_out is not None and z is not None:
         raise ValueError("token_grad adds the token product only without a gate (z is None)")
-    heads, head_dim, groups, state_dim, sizes = _sizes(v, C)
-    grad_w = torch.zeros(v.shape[0], heads, dtype=torch.float32, device=C.device)
+    grad_w = torch.zeros(v.shape[0], v.shape[1], dtype=torch.float32, device=C.device)
     num_blocks = tables.blocks.shape[1]
     if num_blocks:
-        states = _in_product_dtype(states, C)
-        _token_grad_kernel[(num_blocks, groups)](
-            grad_C, grad_w, grad_z if z is not None else grad_w,
+        (v, stride_v), (z, stride_z), (C, stride_C) = _rows(v), _rows(z), _rows(C)
+        w, states = w.contiguous(), _in_product_dtype(states, C)
+        grad_z = grad_z if z is not None else None
+        _token_grad_kernel[(num_blocks, C.shape[1])](
+            grad_C, grad_w, grad_z if grad_z is not None else grad_w,
             product_out if product_out is not None else v, v, z if z is not None else v,
-            C, w, states, tables.blocks, tables.tokens,
-            num_blocks, heads // groups, head_dim, state_dim,
-            *grad_C.stride(), *_strides(grad_z if z is not None else None, 3),
-            *_strides(product_out, 3), *v.stride(),
-            *_strides(z, 3), *C.stride(), *w.stride(), *states.stride(),
+            C, w, states, tables.blocks, tables.tokens, num_blocks,
+            _row_stride(grad_C, "grad_C"), _row_stride(grad_z, "grad_z"),
+            _row_stride(product_out, "product_out"), stride_v, stride_z, stride_C,
             HAS_Z=z is not None, EXP_WEIGHT=exp_weight, ADD_PRODUCT=product_out is not None,
-            BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+            BLOCK_T=TOKENS_PER_BLOCK, **_sizes(v, C),
         )  # fmt: skip
     return grad_w
 
@@ -724,17 +743,15 @@ class StatePartials:
 def state_sum(v, z, C, w, tables: TokenBlocks, *, exp_weight) -> StatePartials:
     """Per slot, the sum over its tokens of (f(w) * gate(z) * v)^T C ([P, N] per head), as the
     float32 partial sums of its splits."""
-    heads, head_dim, _, state_dim, sizes = _sizes(v, C)
     num_blocks, num_splits = tables.blocks.shape[1], tables.splits.shape[1]
     # Every element is written by the kernel: no fill.
-    partial = torch.empty(num_splits, heads, head_dim, state_dim, device=C.device)
+    partial = torch.empty(num_splits, *v.shape[1:], C.shape[2], device=C.device)
     if num_splits:
-        _state_sum_kernel[(num_splits, heads)](
-            partial, v, z if z is not None else v, C, w, tables.blocks, tables.splits,
-            tables.tokens,
-            num_blocks, num_splits, heads // C.shape[1], head_dim, state_dim,
-            *v.stride(), *_strides(z, 3), *C.stride(), *w.stride(),
-            HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **sizes,
+        (v, stride_v), (z, stride_z), (C, stride_C) = _rows(v), _rows(z), _rows(C)
+        _state_sum_kernel[(num_splits, v.shape[1])](
+            partial, v, z if z is not None else v, C, w.contiguous(), tables.blocks,
+            tables.splits, tables.tokens, num_blocks, num_splits, stride_v, stride_z, stride_C,
+            HAS_Z=z is not None, EXP_WEIGHT=exp_weight, BLOCK_T=TOKENS_PER_BLOCK, **_sizes(v, C),
         )  # fmt: skip
     return StatePartials(partial, tables.slot_splits)
 
@@ -824,7 +841,7 @@ def segment_decay(dt, A, segments: SegmentPieces):
     cum = torch.empty(length, heads, dtype=torch.float32, device=dt.device)
     weight = torch.empty_like(cum)
     cum_end = torch.empty(segments.starts.shape[0], heads, dtype=torch.float32, device=dt.device)
-    _segment_decay_fwd_kernel[(num_pieces, triton.cdiv(heads, DECAY_BLOCK_H))](
+    _segment_decay_fwd_kernel[(num_pieces, _cdiv(heads, DECAY_BLOCK_H))](
         cum, weight, cum_end, dt, A, segments.starts, segments.lengths, segments.pieces,
         num_pieces, heads, *dt.stride(),
         BLOCK_T=DECAY_BLOCK_T, SUM_T=DECAY_SUM_T, BLOCK_H=DECAY_BLOCK_H,
@@ -841,7 +858,7 @@ def segment_decay_backward(grad_cum, grad_weight, chain_partial, segment_slot, d
     place; returns d A [H] float32."""
     heads = dt.shape[1]
     num_pieces = segments.pieces.shape[1]
-    grid = (num_pieces, triton.cdiv(heads, DECAY_BLOCK_H))
+    grid = (num_pieces, _cdiv(heads, DECAY_BLOCK_H))
     tables = (segments.starts, segments.lengths, segments.pieces)
     # Two passes over each piece: its sums, then the walk, which reads its segment's other pieces'
     # sums instead of the segment's tokens.
@@ -879,7 +896,7 @@ def chain_states(own: StatePartials, cum_end, slot_segment, slot_parent, parent_
     copy = torch.empty(slots, *partial.shape[1:], dtype=copy_dtype, device=partial.device)
     parent_ends = partial.new_empty(num_parent_rows, *partial.shape[1:])
     # Without parents no program touches parent_ends: any tensor stands in for its empty pointer.
-    _chain_fwd_kernel[(heads, triton.cdiv(size, SUM_BLOCK))](
+    _chain_fwd_kernel[(heads, _cdiv(size, SUM_BLOCK))](
         copy, parent_ends if num_parent_rows else partial, partial, own.slot_splits, cum_end,
         slot_segment, slot_parent, parent_row, slots, heads, size, BLOCK=SUM_BLOCK,
     )  # fmt: skip
@@ -897,7 +914,7 @@ def chain_states_backward(grad_ends: StatePartials, parent_ends, cum_end, slot_s
     built)."""
     partial, slots = grad_ends.partial, grad_ends.slot_splits.shape[1]
     heads, size = partial.shape[1], partial.shape[2] * partial.shape[3]
-    chunks = triton.cdiv(size, SUM_BLOCK)
+    chunks = _cdiv(size, SUM_BLOCK)
     grad = partial.new_empty(slots, *partial.shape[1:])
     copy = torch.empty_like(grad, dtype=copy_dtype)
     grad_decay = torch.empty(slots, heads, chunks, device=partial.device)

@@ -306,6 +306,97 @@ def test_compiled_token_kernels_match_einsum(dtype):
     assert all(errors[key] <= bounds[key] for key in bounds), errors
 
 
+def strided_layouts_check(device: str) -> int:
+    """The token kernels address a tensor's rows by one token stride, the rest contiguous: inputs
+    laid out so (rows of a wider tensor, as the mixer's channel views) are read in place, other
+    inputs (head-major z, v and C) are copied first, with the bits of contiguous inputs either
+    way; an output laid out otherwise is refused before anything is written. Returns the number
+    of results compared."""
+    from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+        triton_inherited_state as kernels,
+    )
+
+    row = forest(device)
+    plan = tree_scan.TreeScanPlan.of(row)
+    tables = kernels.ForkedStates.of(row, plan).children
+    torch.manual_seed(4)
+    length = row.num_tokens
+
+    def wide(*shape):  # rows of a wider tensor: read in place
+        flat = torch.randn(length, int(np.prod(shape)) + 7, device=device)
+        view = flat[:, 3 : 3 + int(np.prod(shape))].view(length, *shape)
+        assert kernels._rows(view)[0] is view  # pylint: disable=protected-access
+        return view
+
+    def head_major(tensor):  # [T, X, Y] stored as [X, T, Y]: copied
+        moved = tensor.transpose(0, 1).contiguous().transpose(0, 1)
+        assert kernels._rows(moved)[0] is not moved  # pylint: disable=protected-access
+        return moved
+
+    v, z = wide(HEADS, HEAD_DIM), wide(HEADS, HEAD_DIM)
+    C = wide(GROUPS, STATE)
+    w = -torch.rand(length, HEADS, device=device)
+    states = torch.randn(len(plan.internal), HEADS, HEAD_DIM, STATE, device=device)
+    compared = 0
+    for layout in ("contiguous", "head-major"):
+        inputs = [t.contiguous() if layout == "contiguous" else head_major(t) for t in (v, z, C)]
+        results = [
+            kernels.token_product(
+                inputs[1], inputs[2], w, states, tables, exp_weight=True,
+                out=torch.zeros(length, HEADS, HEAD_DIM, device=device),
+            ),
+            kernels.state_sum(*inputs, w, tables, exp_weight=True).partial,
+        ]  # fmt: skip
+        grad_C, grad_z = torch.zeros_like(C), torch.zeros_like(v)
+        results.append(
+            kernels.token_grad(*inputs, w, states, tables, exp_weight=True, grad_C=grad_C,
+                               grad_z=grad_z)  # fmt: skip
+        )
+        results += [grad_C, grad_z]
+        if layout == "contiguous":
+            expected = results
+        else:
+            for actual, reference in zip(results, expected):
+                assert torch.equal(actual, reference)
+                compared += 1
+    out = head_major(torch.zeros(length, HEADS, HEAD_DIM, device=device))
+    with pytest.raises(ValueError, match="out in place"):
+        kernels.token_product(z, C, w, states, tables, exp_weight=True, out=out)
+    grad_C = head_major(torch.zeros(length, GROUPS, STATE, device=device))
+    with pytest.raises(ValueError, match="grad_C in place"):
+        kernels.token_grad(v, None, C, w, states, tables, exp_weight=True, grad_C=grad_C)
+    assert not out.any() and not grad_C.any()
+    return compared
+
+
+def test_interpreted_kernels_take_strided_inputs_and_refuse_strided_outputs():
+    pytest.importorskip("triton")
+    assert "strided layouts compared 5" in run_interpreted(__file__, "layouts", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernels_take_strided_inputs_and_refuse_strided_outputs():
+    assert strided_layouts_check("cuda") == 5
+
+
+def test_host_integer_helpers_match_triton():
+    """The wrappers' plain-Python cdiv and powers of two (Triton's own are constexpr functions,
+    microseconds of host time per call) give Triton's values."""
+    # pylint: disable=protected-access
+    triton = pytest.importorskip("triton")
+    from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
+        triton_inherited_state as kernels,
+    )
+
+    for n in range(0, 1100):
+        assert kernels._pow2_at_least_1(n) == triton.next_power_of_2(max(n, 1))
+        if n:
+            assert kernels._pow2(n) == max(16, triton.next_power_of_2(n))
+        for d in (1, 3, 4, 64, 1024):
+            assert kernels._cdiv(n, d) == triton.cdiv(n, d)
+
+
 def test_token_blocks_cover_every_token_once_in_order():
     from megatron.shared_prefix.ssm.triton_inherited_state import TOKENS_PER_BLOCK, TokenBlocks
 
@@ -499,6 +590,8 @@ if __name__ == "__main__":  # run by the interpreted tests above
         errors = token_kernels_error("cpu", torch.float32)
         assert max(errors.values()) <= TOLERANCE["cpu"], errors
         print("token kernels error", errors)
+    elif sys.argv[1] == "layouts":
+        print("strided layouts compared", strided_layouts_check("cpu"))
     elif sys.argv[1] == "state-sum":
         error = state_sum_error("cpu", torch.float32)
         assert error <= TOLERANCE["cpu"], error

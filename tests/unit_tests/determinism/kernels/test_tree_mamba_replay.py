@@ -304,19 +304,25 @@ def test_mixer_warm_up_changes_no_bit_of_training(megatron_world, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("gate", [True, False], ids=["z", "no-z"])
+@pytest.mark.parametrize(
+    "gate, channel_views", [(True, False), (False, False), (True, True)],
+    ids=["z", "no-z", "z-channel-views"],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("row", sorted(FORESTS))
-def test_forked_state_kernels_replay(gate, dtype, row):
+def test_forked_state_kernels_replay(gate, channel_views, dtype, row):
     """mamba_ssm's scan with the fused Triton log-decay, own states, parent chain and correction
     (tree_scan's _ForkedChunkScan, as tree_ssd_scan runs it), at the widths of a real layer. On the
     long star each parent's tokens span several state-sum splits, so the fixed-order split sums
-    run; the depth-3 row chains states through parents."""
+    run; the depth-3 row chains states through parents. channel_views: x, B and C are views of
+    one tensor's channels and z of a wider one's, as the mixer passes them: the fork's kernels
+    read their rows in place, one token stride apart."""
     from megatron.shared_prefix.ssm import triton_inherited_state
     from megatron.shared_prefix.ssm.tree_scan import (
         TreeScanPlan,
         _ForkedChunkScan,
         scan_functions,
+        split_channels,
         triton_chunk_scan,
     )
 
@@ -329,21 +335,29 @@ def test_forked_state_kernels_replay(gate, dtype, row):
     if row == "long-star":
         assert 1500 > triton_inherited_state.TOKENS_PER_BLOCK * triton_inherited_state.SPLIT_BLOCKS
 
+    width = heads * head_dim + 2 * groups * state
+
     def make_inputs():
         def leaf(*shape, dtype=dtype, scale=1.0):
             return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_()
 
+        # With channel views, x is the whole [1, T, width] tensor and z [1, T, 2 * h, p].
+        x = leaf(1, length, width) if channel_views else leaf(1, length, heads, head_dim)
         return (
-            leaf(1, length, heads, head_dim),  # x
+            x,
             (torch.rand(1, length, heads, device="cuda") * 0.2).requires_grad_(),  # processed dt
             (-torch.rand(heads, device="cuda") - 0.2).requires_grad_(),  # A
-            leaf(1, length, groups, state),  # B
-            leaf(1, length, groups, state),  # C
+            None if channel_views else leaf(1, length, groups, state),  # B
+            None if channel_views else leaf(1, length, groups, state),  # C
             leaf(heads, dtype=torch.float32),  # D
-            leaf(1, length, heads, head_dim),  # z
+            leaf(1, length, (2 if channel_views else 1) * heads, head_dim),  # z
         )
 
     def fn(x, dt, A, B, C, D, z):
+        if channel_views:
+            x, B, C = split_channels(x, heads, head_dim, groups, state)
+            z = z[:, :, heads:]  # the second half of the wider tensor's heads
+            assert z.stride(1) == 2 * heads * head_dim and x.stride(1) == width
         return _ForkedChunkScan.apply(
             x, dt, A, B, C, D, z if gate else None, fresh(forest), CHUNK, functions, {}
         )
