@@ -364,6 +364,12 @@ def _fixed_input_grad_kernel(
     tl.store(at, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+def _cdiv(n: int, d: int) -> int:
+    """ceil(n / d) in plain Python: ``triton.cdiv`` is a constexpr function, a few microseconds of
+    host time per call, and a tree conv's forward and backward compute eight grid sizes."""
+    return -(-n // d)
+
+
 def offsets_fit(num_tokens: int, token_stride: int, channels: int) -> bool:
     """Whether the kernels' int32 offsets reach every element of a [T, C] row whose tokens are
     ``token_stride`` elements apart (and of the contiguous [T, C] outputs and gradients)."""
@@ -408,7 +414,7 @@ def forward_rows(x, weight, bias, silu: bool, tap_tokens=None) -> torch.Tensor:
             f"{tuple(tap_tokens.shape)}"
         )
     out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))
+    grid = (_cdiv(num_tokens, BLOCK_T), _cdiv(channels, BLOCK_C))
     _conv_forward_kernel[grid](
         x, tap_tokens, weight.contiguous(), bias, out, num_tokens, channels, x.stride(0),
         WIDTH=width, HAS_TAP_TOKENS=tap_tokens is not None, HAS_BIAS=bias is not None,
@@ -429,13 +435,13 @@ def backward_rows(x, grad, weight, bias, silu: bool, skip=None, extra_rows: int 
         grad = grad.contiguous()
     num_tokens, channels = x.shape
     width = weight.shape[1]
-    programs = triton.cdiv(num_tokens, BACKWARD_TOKENS)
+    programs = _cdiv(num_tokens, BACKWARD_TOKENS)
     dx = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     # Every element is written by its program (masked channels are never read).
     partial = torch.empty(
         programs + extra_rows, channels, width + 1, dtype=torch.float32, device=x.device
     )
-    grid = (programs, triton.cdiv(channels, BACKWARD_BLOCK_C))
+    grid = (programs, _cdiv(channels, BACKWARD_BLOCK_C))
     _conv_backward_kernel[grid](
         x, grad, weight.contiguous(), bias, dx, partial, skip, num_tokens, channels, x.stride(0),
         grad.stride(0), WIDTH=width, HAS_BIAS=bias is not None, SILU=bool(silu),
@@ -447,7 +453,7 @@ def backward_rows(x, grad, weight, bias, silu: bool, skip=None, extra_rows: int 
 
 def fixed_blocks(num_fixed: int) -> int:
     """Rows of partial sums that :func:`backward_fixed` writes for ``num_fixed`` fixed tokens."""
-    return triton.cdiv(num_fixed, FIXED_BLOCK_F)
+    return _cdiv(num_fixed, FIXED_BLOCK_F)
 
 
 def backward_fixed(x, grad, weight, bias, silu: bool, fixed, windows, targets, target_starts,
@@ -467,14 +473,13 @@ def backward_fixed(x, grad, weight, bias, silu: bool, fixed, windows, targets, t
     # g' of every fixed token, written by the first kernel and read by the second.
     fixed_grad = torch.empty(num_fixed, channels, dtype=torch.float32, device=x.device)
     weight = weight.contiguous()
-    _fixed_grad_kernel[(fixed_blocks(num_fixed), triton.cdiv(channels, BLOCK_C))](
+    _fixed_grad_kernel[(fixed_blocks(num_fixed), _cdiv(channels, BLOCK_C))](
         x, grad, weight, bias, fixed, windows, fixed_grad, partial, num_tokens, num_fixed,
         channels, x.stride(0), grad.stride(0), WIDTH=width, HAS_BIAS=bias is not None,
         SILU=bool(silu), BLOCK_F=FIXED_BLOCK_F, BLOCK_C=BLOCK_C,
     )  # fmt: skip
     if num_targets:
-        _fixed_input_grad_kernel[(triton.cdiv(num_targets, FIXED_BLOCK_F), triton.cdiv(
-            channels, BLOCK_C))](
+        _fixed_input_grad_kernel[(_cdiv(num_targets, FIXED_BLOCK_F), _cdiv(channels, BLOCK_C))](
             dx, fixed_grad, weight, targets, target_starts, target_entries, num_targets,
             max_entries, channels, WIDTH=width, BLOCK_U=FIXED_BLOCK_F, BLOCK_C=BLOCK_C,
         )  # fmt: skip
