@@ -49,6 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Grid sizes by plain-Python ceil division (triton.cdiv is a constexpr function, microseconds
+# of host time per call): the forked states' kernels' helper.
+from megatron.shared_prefix.ssm.triton_inherited_state import _cdiv
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_T = 32  # tokens per forward tile
 BLOCK_C = 128  # channels per forward tile
@@ -362,12 +366,6 @@ def _fixed_input_grad_kernel(
     at = dx_ptr + tokens[:, None] * channels + cols[None, :]
     dx = tl.load(at, mask=mask, other=0.0).to(tl.float32) + acc
     tl.store(at, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _cdiv(n: int, d: int) -> int:
-    """ceil(n / d) in plain Python: ``triton.cdiv`` is a constexpr function, a few microseconds of
-    host time per call, and a tree conv's forward and backward compute eight grid sizes."""
-    return -(-n // d)
 
 
 def offsets_fit(num_tokens: int, token_stride: int, channels: int) -> bool:

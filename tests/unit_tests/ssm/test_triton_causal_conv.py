@@ -228,17 +228,6 @@ def test_rejects_bad_inputs_before_launching():
         tree_causal_conv1d(torch.randn(1, forest.num_tokens, 6), weight, None, forest, None, "cuda")
 
 
-def test_host_cdiv_matches_triton():
-    """The grids' plain-Python ceil division gives ``triton.cdiv``'s values."""
-    # pylint: disable=protected-access
-    triton = pytest.importorskip("triton")
-    from megatron.shared_prefix.ssm import triton_causal_conv
-
-    for n in range(0, 1100):
-        for d in (1, 3, 16, 32, 128, 1024):
-            assert triton_causal_conv._cdiv(n, d) == triton.cdiv(n, d)
-
-
 def test_rows_past_int32_offsets_are_refused_or_left_to_torch():
     """The kernels index in int32: the largest offset of a [T, C] row (T - 1) * stride + C - 1
     must fit. Such rows are refused by the kernel, and "auto" leaves them, and convs wider than

@@ -382,7 +382,8 @@ def test_compiled_kernels_take_strided_inputs_and_refuse_strided_outputs():
 
 def test_host_integer_helpers_match_triton():
     """The wrappers' plain-Python cdiv and powers of two (Triton's own are constexpr functions,
-    microseconds of host time per call) give Triton's values."""
+    microseconds of host time per call) give Triton's values; the conv's grids use the same cdiv
+    (triton_causal_conv.py)."""
     # pylint: disable=protected-access
     triton = pytest.importorskip("triton")
     from megatron.shared_prefix.ssm import (  # pylint: disable=import-outside-toplevel
@@ -393,7 +394,7 @@ def test_host_integer_helpers_match_triton():
         assert kernels._pow2_at_least_1(n) == triton.next_power_of_2(max(n, 1))
         if n:
             assert kernels._pow2(n) == max(16, triton.next_power_of_2(n))
-        for d in (1, 3, 4, 64, 1024):
+        for d in (1, 3, 4, 16, 32, 64, 128, 1024):
             assert kernels._cdiv(n, d) == triton.cdiv(n, d)
 
 
